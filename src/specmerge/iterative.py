@@ -1,0 +1,1 @@
+"""Iterative references (in progress)."""

@@ -1,0 +1,327 @@
+"""The WUDI normal equation tau C = D and the unified spectral filtering estimator.
+
+Paper Sec. 3.2 and 4.1: for task vectors tau_i (d_out x d_in) with n_i = ||tau_i||_F^2,
+A_i = tau_i^T tau_i / n_i, C = sum A_i, D = sum tau_i A_i, and for a filter h,
+tau_hat = tau_init + (D - tau_init C) Q diag(h_k / lambda_k) Q^T (Eq. 8, Alg. 1).
+SWUDI, SWUDI-A, the plain closed form D C^+ and the generic filter family are all one call of
+:func:`filtered_solve` with a different filter.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from specmerge import rank_rules
+from specmerge.filters import Exponential, Filter, Landweber, PseudoInverse, Tikhonov, TopK
+from specmerge.registry import LayerResult, register
+
+TauInit = Literal["sum", "mean", "zero"]
+RankRule = Literal["psqrt", "gavish_donoho", "participation"]
+
+WUDI_CITATION = "Cheng et al., Whoever Started the Interference Should End It (WUDI), ICML 2025"
+PAPER_CITATION = "Closed-Form Spectral Merging (SWUDI / SWUDI-A), specmerge paper Sec. 4"
+
+
+def nonzero_experts(task_vectors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts whose delta is not all zero, and their squared Frobenius norms n_i."""
+    norms_sq = task_vectors.flatten(1).pow(2).sum(dim=1)
+    keep = norms_sq > 0
+    return task_vectors[keep], norms_sq[keep]
+
+
+def initial_point(task_vectors: torch.Tensor, tau_init: TauInit) -> torch.Tensor | None:
+    """tau_init: sum or mean over all N experts, or None for zero."""
+    if tau_init == "sum":
+        return task_vectors.sum(dim=0)
+    if tau_init == "mean":
+        return task_vectors.mean(dim=0)
+    if tau_init == "zero":
+        return None
+    raise ValueError(f"tau_init must be 'sum', 'mean' or 'zero', got {tau_init!r}")
+
+
+@dataclass(frozen=True)
+class NormalEquation:
+    """C and D of the WUDI loss for one layer (paper Eq. 4), built from the non-zero experts.
+
+    ``M`` is the stacked normalised matrix [tau_1/sqrt(n_1); ...] of shape (N d_out) x d_in, so
+    C = M^T M. C itself is formed only when asked for: the spectrum may come from M M^T instead.
+    """
+
+    tau: torch.Tensor  # (N_kept, d_out, d_in)
+    norms_sq: torch.Tensor  # (N_kept,)
+    D: torch.Tensor  # (d_out, d_in)
+
+    @property
+    def n_experts(self) -> int:
+        return self.tau.shape[0]
+
+    @property
+    def d_out(self) -> int:
+        return self.tau.shape[1]
+
+    @property
+    def d_in(self) -> int:
+        return self.tau.shape[2]
+
+    @functools.cached_property
+    def M(self) -> torch.Tensor:
+        return (self.tau / self.norms_sq.sqrt()[:, None, None]).reshape(-1, self.d_in)
+
+    @functools.cached_property
+    def C(self) -> torch.Tensor:
+        return self.M.T @ self.M
+
+    def times_C(self, X: torch.Tensor) -> torch.Tensor:
+        """X C, through whichever of C or M is cheaper."""
+        if self.M.shape[0] < self.d_in and "C" not in self.__dict__:
+            return (X @ self.M.T) @ self.M
+        return X @ self.C
+
+    def loss(self, tau: torch.Tensor) -> torch.Tensor:
+        """The WUDI loss sum_i ||(tau - tau_i) tau_i^T||_F^2 / n_i (paper Eq. 2), written directly."""
+        residual = (tau - self.tau) @ self.tau.transpose(1, 2)
+        return (residual.pow(2).sum(dim=(1, 2)) / self.norms_sq).sum()
+
+
+def normal_equation(task_vectors: torch.Tensor) -> NormalEquation:
+    """Build D = sum tau_i A_i for the non-zero experts of an (N, d_out, d_in) stack.
+
+    Each term is formed in the cheaper order, (tau_i tau_i^T) tau_i when d_out < d_in and
+    tau_i (tau_i^T tau_i) otherwise, one expert at a time so the workspace is one small Gram.
+    """
+    if task_vectors.dim() != 3:
+        raise ValueError(f"expected a stack N x d_out x d_in, got shape {tuple(task_vectors.shape)}")
+    tau, norms_sq = nonzero_experts(task_vectors)
+    D = torch.zeros(task_vectors.shape[1:], dtype=task_vectors.dtype, device=task_vectors.device)
+    for tau_i, n_i in zip(tau, norms_sq):
+        if tau_i.shape[0] < tau_i.shape[1]:
+            D += (tau_i @ tau_i.T) @ tau_i / n_i
+        else:
+            D += tau_i @ (tau_i.T @ tau_i) / n_i
+    return NormalEquation(tau, norms_sq, D)
+
+
+@dataclass(frozen=True)
+class Spectrum:
+    """Eigendecomposition of C = M^T M.
+
+    ``eigenvalues`` holds the min(n_rows, n_cols) squared singular values of M in descending order,
+    those at or below ``tol`` set to exactly zero; ``eigenvectors`` holds only the ``rank`` columns
+    of Q whose eigenvalue is above ``tol`` (the rest never receive gain).
+    """
+
+    eigenvalues: torch.Tensor
+    eigenvectors: torch.Tensor
+    n_rows: int
+    n_cols: int
+    tol: float
+
+    @property
+    def rank(self) -> int:
+        return self.eigenvectors.shape[1]
+
+
+def decompose(eq: NormalEquation) -> Spectrum:
+    """Symmetric eigendecomposition of C, through the smaller of C (d_in^2) and M M^T ((N d_out)^2).
+
+    Eigenvalues at or below d_in * eps * lambda_1 are treated as zero.
+    """
+    M = eq.M
+    n_rows, n_cols = M.shape
+    eps = torch.finfo(M.dtype).eps
+    if n_rows < n_cols:
+        # C and M M^T share their non-zero eigenvalues; q_k = M^T u_k / sigma_k.
+        lam, U = torch.linalg.eigh(M @ M.T)
+        lam, U = lam.flip(0), U.flip(1)
+        tol = n_cols * eps * float(lam[0].clamp(min=0))
+        lam = torch.where(lam > tol, lam, torch.zeros_like(lam))
+        rank = int((lam > 0).sum())
+        Q = (M.T @ U[:, :rank]) / lam[:rank].sqrt()
+    else:
+        lam, Q = torch.linalg.eigh(eq.C)
+        lam, Q = lam.flip(0), Q.flip(1)
+        tol = n_cols * eps * float(lam[0].clamp(min=0))
+        lam = torch.where(lam > tol, lam, torch.zeros_like(lam))
+        rank = int((lam > 0).sum())
+        Q = Q[:, :rank]
+    return Spectrum(lam, Q, n_rows, n_cols, tol)
+
+
+def filtered_solve(
+    eq: NormalEquation, spectrum: Spectrum, gains: torch.Tensor, tau_init: torch.Tensor | None
+) -> torch.Tensor:
+    """tau_init + (D - tau_init C) Q diag(h / lambda) Q^T (paper Eq. 8) for filter gains h.
+
+    Directions with zero gain or zero eigenvalue are skipped, and (tau_init C) Q is computed as
+    (tau_init Q) diag(lambda), so a top-K filter costs O(d_out d_in K) after the decomposition.
+    """
+    rank = spectrum.rank
+    lam = spectrum.eigenvalues[:rank]
+    inverse_gain = gains[:rank] / lam
+    active = inverse_gain != 0
+    Q = spectrum.eigenvectors[:, active]
+    projected = eq.D @ Q
+    if tau_init is not None:
+        projected = projected - (tau_init @ Q) * lam[active]
+    update = (projected * inverse_gain[active]) @ Q.T
+    return update if tau_init is None else tau_init + update
+
+
+def choose_rank(rule: RankRule, spectrum: Spectrum) -> int:
+    """K from a named rank rule applied to the spectrum of C."""
+    if rule == "psqrt":
+        return rank_rules.psqrt_rank(spectrum.eigenvalues)
+    if rule == "gavish_donoho":
+        return rank_rules.gavish_donoho_rank(spectrum.eigenvalues, spectrum.n_rows, spectrum.n_cols)
+    if rule == "participation":
+        return rank_rules.participation_rank(spectrum.eigenvalues)
+    raise ValueError(f"unknown rank rule {rule!r}: use psqrt, gavish_donoho or participation")
+
+
+def spectral_merge(
+    task_vectors: torch.Tensor,
+    make_filter: callable,
+    tau_init: TauInit,
+    scale: float,
+) -> LayerResult:
+    """The one code path of every closed-form spectral method.
+
+    ``make_filter(spectrum) -> (Filter, kept_rank or None)`` lets a rank rule look at the spectrum.
+    Returns ``scale * tau_hat`` with the spectrum's diagnostics.
+    """
+    start = initial_point(task_vectors, tau_init)
+    eq = normal_equation(task_vectors)
+    if eq.n_experts == 0:
+        return LayerResult(torch.zeros_like(task_vectors[0]), {"n_experts": 0, "kept_rank": 0})
+    spectrum = decompose(eq)
+    filt, kept = make_filter(spectrum)
+    gains = filt(spectrum.eigenvalues)
+    tau_hat = filtered_solve(eq, spectrum, gains, start)
+    return LayerResult(scale * tau_hat, spectrum_diagnostics(eq, spectrum, kept, gains))
+
+
+def spectrum_diagnostics(eq: NormalEquation, spectrum: Spectrum, kept: int | None, gains: torch.Tensor) -> dict:
+    """Per-layer figures: kept rank K, eigenvalue summary, energy kept, filter gain summary."""
+    lam = spectrum.eigenvalues.double()
+    total = float(lam.sum())
+    k = spectrum.rank if kept is None else min(kept, spectrum.eigenvalues.numel())
+    return {
+        "n_experts": eq.n_experts,
+        "kept_rank": k,
+        "numerical_rank": spectrum.rank,
+        "spectrum_size": spectrum.eigenvalues.numel(),
+        "lambda_max": float(lam[0]),
+        "lambda_kept_min": float(lam[k - 1]) if k > 0 else None,
+        "lambda_sum": total,
+        "energy_kept": float(lam[:k].sum()) / total if total > 0 else 0.0,
+        "mean_gain": float(gains[: spectrum.rank].double().mean()) if spectrum.rank else 0.0,
+    }
+
+
+@register("swudi", citation=PAPER_CITATION)
+def swudi(
+    task_vectors: torch.Tensor,
+    *,
+    rank_ratio: float = 0.65,
+    t: float = 1300.0,
+    tau_init: TauInit = "sum",
+    scale: float = 1.0,
+) -> LayerResult:
+    """SWUDI: top-ceil(r d_in) truncation times the exponential filter 1 - exp(-t lambda) (paper Eq. 11).
+
+    Args:
+        rank_ratio: r in [0, 1]; keeps K = ceil(r * d_in) leading eigendirections (paper grid 0.55-0.85).
+        t: gradient-flow time of the exponential filter (paper grid 300-1800; CLIP 1300); inf for none.
+        tau_init: point the filter starts from: sum or mean of the task vectors, or zero (D C_h^+).
+        scale: s in merged = W_0 + s * tau_hat.
+    """
+
+    def make_filter(spectrum: Spectrum) -> tuple[Filter, int]:
+        k = rank_rules.fixed_ratio_rank(rank_ratio, spectrum.n_cols)
+        return TopK(k) * Exponential(t), k
+
+    return spectral_merge(task_vectors, make_filter, tau_init, scale)
+
+
+@register("swudi_a", citation=PAPER_CITATION)
+def swudi_a(
+    task_vectors: torch.Tensor,
+    *,
+    rule: RankRule = "psqrt",
+    tau_init: TauInit = "sum",
+    scale: float = 1.0,
+) -> LayerResult:
+    """SWUDI-A: hard top-K truncation with K chosen per layer by a rank rule (paper Sec. 4.2).
+
+    Args:
+        rule: psqrt (CLIP, Flan-T5, MLLMs), gavish_donoho (full fine-tuned LLMs; may keep K = 0), or participation.
+        tau_init: point the filter starts from: sum or mean of the task vectors, or zero (D C_h^+).
+        scale: s in merged = W_0 + s * tau_hat.
+    """
+
+    def make_filter(spectrum: Spectrum) -> tuple[Filter, int]:
+        k = choose_rank(rule, spectrum)
+        return TopK(k), k
+
+    result = spectral_merge(task_vectors, make_filter, tau_init, scale)
+    result.diagnostics["rule"] = rule
+    return result
+
+
+@register("closed_form", citation=PAPER_CITATION)
+def closed_form(task_vectors: torch.Tensor, *, tau_init: TauInit = "zero", scale: float = 1.0) -> LayerResult:
+    """Exact minimiser of the WUDI loss: D C^+ (paper Eq. 6), or tau_init + (D - tau_init C) C^+.
+
+    Args:
+        tau_init: zero gives the minimum-norm solution D C^+; sum or mean keep that start on the null space of C.
+        scale: s in merged = W_0 + s * tau_hat.
+    """
+    return spectral_merge(task_vectors, lambda s: (PseudoInverse(), None), tau_init, scale)
+
+
+@register("spectral_filter", citation=PAPER_CITATION)
+def spectral_filter(
+    task_vectors: torch.Tensor,
+    *,
+    filter: Literal["pinv", "exponential", "landweber", "tikhonov"] = "exponential",
+    t: float = 300.0,
+    eta: float = 0.1,
+    steps: int = 300,
+    alpha: float = 1e-3,
+    rank: Literal["all", "ratio", "psqrt", "gavish_donoho", "participation"] = "all",
+    rank_ratio: float = 1.0,
+    tau_init: TauInit = "sum",
+    scale: float = 1.0,
+) -> LayerResult:
+    """Any member of the filter family, optionally times a top-K mask, for studies and sweeps.
+
+    Args:
+        filter: soft filter: pinv (h = 1), exponential (1 - exp(-t lambda)), landweber (1 - (1 - eta lambda)^steps), tikhonov (lambda / (lambda + alpha)).
+        t: time of the exponential filter.
+        eta: Landweber step size; stable for eta < 2 / lambda_max (lambda_max <= N).
+        steps: number of Landweber steps.
+        alpha: Tikhonov ridge.
+        rank: hard mask: all directions, a fixed ratio of d_in, or a rank rule.
+        rank_ratio: r for rank = ratio: K = ceil(r * d_in).
+        tau_init: point the filter starts from: sum or mean of the task vectors, or zero (D C_h^+).
+        scale: s in merged = W_0 + s * tau_hat.
+    """
+    soft: Filter = {
+        "pinv": PseudoInverse(),
+        "exponential": Exponential(t),
+        "landweber": Landweber(eta, steps),
+        "tikhonov": Tikhonov(alpha),
+    }[filter]
+
+    def make_filter(spectrum: Spectrum) -> tuple[Filter, int | None]:
+        if rank == "all":
+            return soft, None
+        k = rank_rules.fixed_ratio_rank(rank_ratio, spectrum.n_cols) if rank == "ratio" else choose_rank(rank, spectrum)
+        return TopK(k) * soft, k
+
+    return spectral_merge(task_vectors, make_filter, tau_init, scale)
