@@ -4,4 +4,4 @@ from specmerge.registry import LayerResult, Method, get_method, methods, registe
 
 __version__ = "0.1.0"
 
-__all__ = ["LayerResult", "Method", "get_method", "methods", "register", "__version__"]
+__all__ = ["LayerResult", "Method", "__version__", "get_method", "methods", "register"]

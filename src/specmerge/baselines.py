@@ -1,1 +1,303 @@
-"""Baselines (in progress)."""
+"""The baselines people compare against: weight averaging, task arithmetic, TIES, DARE, TSV-M, Iso-C.
+
+Each method takes the ``N x ...`` stack of expert deltas tau_i = W_i - W_0 for one tensor and returns
+``scale * merged_delta``. The building blocks (TIES trim / sign election / disjoint mean, the DARE
+mask, the TSV factors) are small public functions so they can be tested and reused on their own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+
+import torch
+
+from specmerge.registry import LayerResult, register
+from specmerge.spectral import nonzero_experts
+
+TA_CITATION = "Ilharco et al., Editing Models with Task Arithmetic, ICLR 2023"
+TIES_CITATION = "Yadav et al., TIES-Merging: Resolving Interference When Merging Models, NeurIPS 2023"
+DARE_CITATION = "Yu et al., Language Models are Super Mario (DARE), ICML 2024"
+TSV_CITATION = "Gargiulo et al., Task Singular Vectors: Reducing Task Interference in Model Merging, CVPR 2025"
+ISO_C_CITATION = "Marczak et al., No Task Left Behind: Isotropic Model Merging (Iso-C), ICML 2025"
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight average and task arithmetic
+
+
+@register("weight_average", citation="Wortsman et al., Model Soups, ICML 2022", needs_matrix=False)
+def weight_average(task_vectors: torch.Tensor, *, scale: float = 1.0) -> LayerResult:
+    """Weight averaging: the mean of the task vectors over all N experts.
+
+    Args:
+        scale: s in merged = W_0 + s * mean_i tau_i (1 gives the plain average of the experts).
+    """
+    return LayerResult(scale * task_vectors.mean(dim=0), {"n_experts": task_vectors.shape[0]})
+
+
+@register("task_arithmetic", citation=TA_CITATION, needs_matrix=False)
+def task_arithmetic(task_vectors: torch.Tensor, *, scale: float = 0.3) -> LayerResult:
+    """Task arithmetic: the sum of the task vectors, scaled by lambda.
+
+    Args:
+        scale: lambda in merged = W_0 + lambda * sum_i tau_i (0.3 as in Ilharco et al.).
+    """
+    return LayerResult(scale * task_vectors.sum(dim=0), {"n_experts": task_vectors.shape[0]})
+
+
+# ---------------------------------------------------------------------------------------------
+# TIES
+
+
+def top_k_count(density: float, numel: int) -> int:
+    """k = ceil(density * numel), with density read as the decimal it was written as."""
+    if not 0 < density <= 1:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    # Fraction(repr(.)) is exact: 0.14 * 100 is 14, not ceil(14.000000000000002) = 15.
+    return min(numel, math.ceil(Fraction(repr(float(density))) * numel))
+
+
+def trim_by_magnitude(task_vectors: torch.Tensor, density: float) -> torch.Tensor:
+    """Per expert, keep the k = ceil(density * numel) entries of largest |tau_i| and zero the rest.
+
+    The scope is one tensor of one expert (equal magnitudes are broken by ``torch.topk``).
+    """
+    flat = task_vectors.reshape(task_vectors.shape[0], -1)
+    k = top_k_count(density, flat.shape[1])
+    if k == flat.shape[1]:
+        return task_vectors.clone()
+    trimmed = torch.zeros_like(flat)
+    for i, tau_i in enumerate(flat):  # one expert at a time: the index workspace is k, not N k
+        keep = tau_i.abs().topk(k, sorted=False).indices
+        trimmed[i, keep] = tau_i[keep]
+    return trimmed.reshape(task_vectors.shape)
+
+
+def elect_sign(task_vectors: torch.Tensor) -> torch.Tensor:
+    """The elected sign per entry: sign of the sum over experts (0 where the sum is exactly 0)."""
+    return torch.sign(task_vectors.sum(dim=0))
+
+
+def disjoint_mean(task_vectors: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    """Per entry, the mean over the experts whose entry is non-zero with the elected sign; 0 where none."""
+    agree = (torch.sign(task_vectors) == sign) & (sign != 0)
+    total = torch.where(agree, task_vectors, task_vectors.new_zeros(()))
+    count = agree.sum(dim=0)
+    return total.sum(dim=0) / count.clamp(min=1).to(task_vectors.dtype)
+
+
+def _sign_diagnostics(sign: torch.Tensor) -> dict:
+    return {"sign_tie_fraction": float((sign == 0).double().mean())} if sign.numel() else {}
+
+
+@register("ties", citation=TIES_CITATION, needs_matrix=False)
+def ties(task_vectors: torch.Tensor, *, density: float = 0.2, scale: float = 1.0) -> LayerResult:
+    """TIES-Merging: trim each task vector to its largest entries, elect a sign per entry, average the agreeing.
+
+    The trim is per expert and per tensor (the public code also offers a whole-model trim; per tensor
+    is what streaming allows). The merge is the disjoint mean, not the sum. Where the trimmed values
+    sum to exactly zero no sign is elected and the entry stays at W_0 (the original code breaks such
+    ties with the model-wide majority sign, mergekit with +).
+
+    Args:
+        density: fraction of entries kept per expert and tensor, k = ceil(density * numel), in (0, 1].
+        scale: lambda in merged = W_0 + lambda * disjoint_mean (1.0 as in Yadav et al.).
+    """
+    trimmed = trim_by_magnitude(task_vectors, density)
+    sign = elect_sign(trimmed)
+    merged = disjoint_mean(trimmed, sign)
+    return LayerResult(scale * merged, {"n_experts": task_vectors.shape[0], **_sign_diagnostics(sign)})
+
+
+# ---------------------------------------------------------------------------------------------
+# DARE
+
+
+def _check_drop_rate(drop_rate: float) -> None:
+    if not 0 <= drop_rate < 1:
+        raise ValueError(f"DARE drop_rate must be in [0, 1), got {drop_rate}")
+
+
+def dare_seed(seed: int, tensor_name: str, expert_key: str) -> int:
+    """A 64-bit generator seed that depends on (seed, tensor name, expert key) only."""
+    digest = hashlib.blake2b(f"{seed}\0{tensor_name}\0{expert_key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def dare_mask(
+    shape: Sequence[int] | torch.Size,
+    drop_rate: float,
+    seed: int,
+    tensor_name: str,
+    expert_key: str,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Boolean keep-mask, each entry kept with probability 1 - drop_rate.
+
+    The mask is a function of (shape, drop_rate, seed, tensor_name, expert_key) only: it is drawn on
+    the CPU from its own generator, so it is the same on every device, in every processing order,
+    and it leaves the global random state untouched.
+    """
+    _check_drop_rate(drop_rate)
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(dare_seed(seed, tensor_name, expert_key))
+    keep = torch.rand(tuple(shape), generator=generator, dtype=torch.float32) >= drop_rate
+    return keep if device is None else keep.to(device)
+
+
+def dare(
+    task_vectors: torch.Tensor,
+    drop_rate: float,
+    seed: int,
+    tensor_name: str,
+    expert_keys: Sequence[str] | None = None,
+) -> torch.Tensor:
+    """Drop each entry of each tau_i with probability drop_rate and rescale the kept ones by 1 / (1 - drop_rate).
+
+    ``expert_keys`` names the experts in stack order (default ``"0", "1", ...``); the mask of an
+    expert depends on its key, not on its position in the stack.
+    """
+    _check_drop_rate(drop_rate)
+    n = task_vectors.shape[0]
+    keys = [str(i) for i in range(n)] if expert_keys is None else list(expert_keys)
+    if len(keys) != n:
+        raise ValueError(
+            f"tensor '{tensor_name or '?'}': got {len(keys)} expert keys for a stack of {n} experts; "
+            "pass one key per expert, in stack order"
+        )
+    if drop_rate == 0:
+        return task_vectors.clone()
+    rescale = 1.0 / (1.0 - drop_rate)
+    out = torch.zeros_like(task_vectors)
+    for i, key in enumerate(keys):
+        keep = dare_mask(task_vectors.shape[1:], drop_rate, seed, tensor_name, key, task_vectors.device)
+        out[i] = torch.where(keep, task_vectors[i] * rescale, out[i])
+    return out
+
+
+@register("dare_task_arithmetic", citation=DARE_CITATION, needs_matrix=False)
+def dare_task_arithmetic(
+    task_vectors: torch.Tensor,
+    *,
+    drop_rate: float = 0.5,
+    seed: int = 0,
+    scale: float = 0.3,
+    tensor_name: str = "",
+    expert_keys: Sequence[str] | None = None,
+) -> LayerResult:
+    """DARE + task arithmetic: randomly drop and rescale each task vector, then sum.
+
+    The random mask is a function of (seed, tensor name, expert key), so a merge is reproducible
+    whatever the order in which tensors are processed.
+
+    Args:
+        drop_rate: probability p of dropping an entry, in [0, 1); kept entries are divided by 1 - p.
+        seed: seed of the random masks; the same seed gives the same merge.
+        scale: lambda in merged = W_0 + lambda * sum_i DARE(tau_i).
+    """
+    dropped = dare(task_vectors, drop_rate, seed, tensor_name, expert_keys)
+    return LayerResult(scale * dropped.sum(dim=0), {"n_experts": task_vectors.shape[0], "drop_rate": drop_rate})
+
+
+@register("dare_ties", citation=DARE_CITATION, needs_matrix=False)
+def dare_ties(
+    task_vectors: torch.Tensor,
+    *,
+    drop_rate: float = 0.5,
+    seed: int = 0,
+    scale: float = 1.0,
+    tensor_name: str = "",
+    expert_keys: Sequence[str] | None = None,
+) -> LayerResult:
+    """DARE + TIES: randomly drop and rescale each task vector, then elect signs and take the disjoint mean.
+
+    The random drop replaces the TIES magnitude trim (as in mergekit's dare_ties). The random mask is
+    a function of (seed, tensor name, expert key), whatever the processing order.
+
+    Args:
+        drop_rate: probability p of dropping an entry, in [0, 1); kept entries are divided by 1 - p.
+        seed: seed of the random masks; the same seed gives the same merge.
+        scale: lambda in merged = W_0 + lambda * disjoint_mean.
+    """
+    dropped = dare(task_vectors, drop_rate, seed, tensor_name, expert_keys)
+    sign = elect_sign(dropped)
+    merged = disjoint_mean(dropped, sign)
+    diagnostics = {"n_experts": task_vectors.shape[0], "drop_rate": drop_rate, **_sign_diagnostics(sign)}
+    return LayerResult(scale * merged, diagnostics)
+
+
+# ---------------------------------------------------------------------------------------------
+# TSV-M and Iso-C
+
+
+def _check_matrix_stack(task_vectors: torch.Tensor, method: str) -> None:
+    if task_vectors.dim() != 3:
+        raise ValueError(f"{method} needs a stack N x d_out x d_in, got shape {tuple(task_vectors.shape)}")
+
+
+def polar_factor(X: torch.Tensor) -> torch.Tensor:
+    """The orthogonal polar factor P Q^T of X = P Sigma Q^T (the nearest matrix with orthonormal columns or rows)."""
+    P, _, Qh = torch.linalg.svd(X, full_matrices=False)
+    return P @ Qh
+
+
+def tsv_rank(d_out: int, d_in: int, n_experts: int) -> int:
+    """Singular triplets kept per task by TSV-M: k = max(1, floor(min(d_out, d_in) / N))."""
+    return max(1, min(d_out, d_in) // max(1, n_experts))
+
+
+def tsv_factors(task_vectors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TSV-M's U_orth (d_out x N k), S (N k) and V_orth (d_in x N k) for a stack of non-zero task vectors.
+
+    Per task the k = :func:`tsv_rank` leading singular triplets are concatenated across tasks, and U
+    and V are replaced by their polar factors. When N k <= min(d_out, d_in) (always, unless N exceeds
+    min(d_out, d_in)) U_orth and V_orth have orthonormal columns.
+    """
+    _check_matrix_stack(task_vectors, "TSV-M")
+    n, d_out, d_in = task_vectors.shape
+    k = tsv_rank(d_out, d_in, n)
+    U, S, Vh = torch.linalg.svd(task_vectors, full_matrices=False)  # batched over the N tasks
+    U_cat = U[:, :, :k].permute(1, 0, 2).reshape(d_out, n * k)
+    S_cat = S[:, :k].reshape(n * k)
+    V_cat = Vh[:, :k, :].reshape(n * k, d_in).T
+    return polar_factor(U_cat), S_cat, polar_factor(V_cat)
+
+
+@register("tsv_m", citation=TSV_CITATION, needs_matrix=True)
+def tsv_m(task_vectors: torch.Tensor, *, scale: float = 1.0) -> LayerResult:
+    """TSV-M: low-rank task singular vectors of every expert, decorrelated by orthogonalising U and V.
+
+    Each non-zero expert keeps its k = max(1, floor(min(d_out, d_in) / N')) leading singular
+    triplets (N' the number of non-zero experts); all-zero experts are left out.
+
+    Args:
+        scale: alpha in merged = W_0 + alpha * U_orth diag(S) V_orth^T (1.0 as in Gargiulo et al.).
+    """
+    _check_matrix_stack(task_vectors, "TSV-M")
+    tau, _ = nonzero_experts(task_vectors)
+    n = tau.shape[0]
+    if n == 0:
+        return LayerResult(torch.zeros_like(task_vectors[0]), {"n_experts": 0, "rank_per_task": 0, "kept_rank": 0})
+    U, S, V = tsv_factors(tau)
+    merged = (U * S) @ V.T
+    k = S.numel() // n
+    return LayerResult(scale * merged, {"n_experts": n, "rank_per_task": k, "kept_rank": n * k})
+
+
+@register("iso_c", citation=ISO_C_CITATION, needs_matrix=True)
+def iso_c(task_vectors: torch.Tensor, *, scale: float = 1.0) -> LayerResult:
+    """Iso-C: the sum of the task vectors with its spectrum flattened to the mean singular value.
+
+    The mean is over all min(d_out, d_in) singular values of sum_i tau_i, as in the reference code.
+
+    Args:
+        scale: alpha in merged = W_0 + alpha * mean(S) U V^T (paper tunes 1.0 to 1.5).
+    """
+    _check_matrix_stack(task_vectors, "Iso-C")
+    U, S, Vh = torch.linalg.svd(task_vectors.sum(dim=0), full_matrices=False)
+    mean_sv = S.mean()
+    merged = mean_sv * (U @ Vh)
+    return LayerResult(scale * merged, {"mean_singular_value": float(mean_sv)})

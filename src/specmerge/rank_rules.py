@@ -14,7 +14,7 @@ from scipy import integrate, optimize
 
 # Slack when rounding a ratio up to an integer rank: a flat spectrum of K equal values gives
 # (sum sigma)^2 / sum sigma^2 = K up to float rounding, which must not become K + 1.
-_CEIL_SLACK = 1e-6
+_CEIL_SLACK = 1e-9
 
 
 def _ceil(x: float) -> int:

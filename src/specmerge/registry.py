@@ -14,13 +14,20 @@ import functools
 import importlib
 import inspect
 import re
+import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import ConfigDict, ValidationError, create_model
+from pydantic import ConfigDict, Field, ValidationError, create_model
+
+# Parameter types with bounds, checked when a recipe or CLI call is validated, before any tensor is read.
+UnitInterval = Annotated[float, Field(ge=0, le=1)]
+NonNegative = Annotated[float, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0)]
+Count = Annotated[int, Field(ge=0)]
 
 CONTEXT_KEYWORDS = frozenset({"tensor_name", "expert_keys"})
 BUILTIN_MODULES = ("specmerge.spectral", "specmerge.baselines", "specmerge.iterative")
@@ -66,7 +73,8 @@ class Method:
         for p in self.params:
             if p.name == name:
                 return p
-        raise ValueError(unknown_name_message(f"parameter of method '{self.name}'", name, [p.name for p in self.params]))
+        known = [p.name for p in self.params]
+        raise ValueError(unknown_name_message(f"parameter of method '{self.name}'", name, known))
 
     def validate(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """Check names and types of ``params`` (strings from a CLI are coerced); return all params with defaults."""
@@ -87,9 +95,7 @@ class Method:
     @functools.cached_property
     def _model(self) -> Any:
         fields = {p.name: (p.annotation, p.default) for p in self.params}
-        return create_model(
-            f"{self.name}_params", __config__=ConfigDict(extra="forbid", strict=False), **fields
-        )
+        return create_model(f"{self.name}_params", __config__=ConfigDict(extra="forbid", strict=False), **fields)
 
     def __call__(
         self,
@@ -132,14 +138,14 @@ def compute_dtype(task_vectors: torch.Tensor, dtype: torch.dtype | None = None) 
 _METHODS: dict[str, Method] = {}
 
 
-def register(name: str, *, citation: str = "", needs_matrix: bool = True) -> Callable:
+def register(name: str, *, citation: str, needs_matrix: bool = True) -> Callable:
     """Decorator: add a method to the registry, deriving its parameters from the signature."""
 
     def wrap(fn: Callable[..., LayerResult]) -> Callable[..., LayerResult]:
         if name in _METHODS:
             raise ValueError(f"method '{name}' is registered twice")
         summary, helps = _parse_docstring(fn)
-        hints = typing.get_type_hints(fn)
+        hints = typing.get_type_hints(fn, include_extras=True)
         params = []
         for p in inspect.signature(fn).parameters.values():
             if p.kind is not inspect.Parameter.KEYWORD_ONLY or p.name in CONTEXT_KEYWORDS:
@@ -200,10 +206,21 @@ def _parse_docstring(fn: Callable) -> tuple[str, dict[str, str]]:
 
 def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        inner, *extras = typing.get_args(annotation)
+        bounds = [_bound_text(m) for extra in extras for m in getattr(extra, "metadata", [extra])]
+        return " ".join([_type_name(inner), *filter(None, bounds)])
     if origin is Literal:
         return "{" + ",".join(str(a) for a in typing.get_args(annotation)) + "}"
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(annotation))
     if annotation is type(None):
         return "None"
     return getattr(annotation, "__name__", str(annotation))
+
+
+def _bound_text(constraint: Any) -> str:
+    for attr, symbol in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+        if hasattr(constraint, attr):
+            return f"{symbol}{getattr(constraint, attr)}"
+    return ""

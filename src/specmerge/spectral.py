@@ -10,6 +10,7 @@ SWUDI, SWUDI-A, the plain closed form D C^+ and the generic filter family are al
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,7 +18,7 @@ import torch
 
 from specmerge import rank_rules
 from specmerge.filters import Exponential, Filter, Landweber, PseudoInverse, Tikhonov, TopK
-from specmerge.registry import LayerResult, register
+from specmerge.registry import Count, LayerResult, NonNegative, Positive, UnitInterval, register
 
 TauInit = Literal["sum", "mean", "zero"]
 RankRule = Literal["psqrt", "gavish_donoho", "participation"]
@@ -77,15 +78,20 @@ class NormalEquation:
         return self.M.T @ self.M
 
     def times_C(self, X: torch.Tensor) -> torch.Tensor:
-        """X C, through whichever of C or M is cheaper."""
-        if self.M.shape[0] < self.d_in and "C" not in self.__dict__:
+        """X C, through whichever of C (d_in^2 per row of X) or M (2 N d_out d_in) is cheaper."""
+        if 2 * self.M.shape[0] < self.d_in and "C" not in self.__dict__:
             return (X @ self.M.T) @ self.M
         return X @ self.C
 
     def loss(self, tau: torch.Tensor) -> torch.Tensor:
-        """The WUDI loss sum_i ||(tau - tau_i) tau_i^T||_F^2 / n_i (paper Eq. 2), written directly."""
-        residual = (tau - self.tau) @ self.tau.transpose(1, 2)
-        return (residual.pow(2).sum(dim=(1, 2)) / self.norms_sq).sum()
+        """The WUDI loss (paper Eq. 2), written directly."""
+        return proxy_loss(tau, self.tau, self.tau, self.norms_sq)
+
+
+def proxy_loss(tau: torch.Tensor, targets: torch.Tensor, proxies: torch.Tensor, norms_sq: torch.Tensor) -> torch.Tensor:
+    """sum_i ||(tau - t_i) p_i^T||_F^2 / n_i; targets = proxies = tau_i is the WUDI loss (paper Eq. 2)."""
+    residual = (tau - targets) @ proxies.transpose(1, 2)
+    return (residual.pow(2).sum(dim=(1, 2)) / norms_sq).sum()
 
 
 def normal_equation(task_vectors: torch.Tensor) -> NormalEquation:
@@ -98,7 +104,7 @@ def normal_equation(task_vectors: torch.Tensor) -> NormalEquation:
         raise ValueError(f"expected a stack N x d_out x d_in, got shape {tuple(task_vectors.shape)}")
     tau, norms_sq = nonzero_experts(task_vectors)
     D = torch.zeros(task_vectors.shape[1:], dtype=task_vectors.dtype, device=task_vectors.device)
-    for tau_i, n_i in zip(tau, norms_sq):
+    for tau_i, n_i in zip(tau, norms_sq, strict=True):
         if tau_i.shape[0] < tau_i.shape[1]:
             D += (tau_i @ tau_i.T) @ tau_i / n_i
         else:
@@ -185,7 +191,7 @@ def choose_rank(rule: RankRule, spectrum: Spectrum) -> int:
 
 def spectral_merge(
     task_vectors: torch.Tensor,
-    make_filter: callable,
+    make_filter: Callable[[Spectrum], tuple[Filter, int | None]],
     tau_init: TauInit,
     scale: float,
 ) -> LayerResult:
@@ -227,8 +233,8 @@ def spectrum_diagnostics(eq: NormalEquation, spectrum: Spectrum, kept: int | Non
 def swudi(
     task_vectors: torch.Tensor,
     *,
-    rank_ratio: float = 0.65,
-    t: float = 1300.0,
+    rank_ratio: UnitInterval = 0.65,
+    t: NonNegative = 1300.0,
     tau_init: TauInit = "sum",
     scale: float = 1.0,
 ) -> LayerResult:
@@ -289,19 +295,20 @@ def spectral_filter(
     task_vectors: torch.Tensor,
     *,
     filter: Literal["pinv", "exponential", "landweber", "tikhonov"] = "exponential",
-    t: float = 300.0,
-    eta: float = 0.1,
-    steps: int = 300,
-    alpha: float = 1e-3,
+    t: NonNegative = 300.0,
+    eta: Positive = 0.1,
+    steps: Count = 300,
+    alpha: Positive = 1e-3,
     rank: Literal["all", "ratio", "psqrt", "gavish_donoho", "participation"] = "all",
-    rank_ratio: float = 1.0,
+    rank_ratio: UnitInterval = 1.0,
     tau_init: TauInit = "sum",
     scale: float = 1.0,
 ) -> LayerResult:
     """Any member of the filter family, optionally times a top-K mask, for studies and sweeps.
 
     Args:
-        filter: soft filter: pinv (h = 1), exponential (1 - exp(-t lambda)), landweber (1 - (1 - eta lambda)^steps), tikhonov (lambda / (lambda + alpha)).
+        filter: soft filter: pinv (h = 1), exponential (1 - exp(-t lambda)),
+            landweber (1 - (1 - eta lambda)^steps), tikhonov (lambda / (lambda + alpha)).
         t: time of the exponential filter.
         eta: Landweber step size; stable for eta < 2 / lambda_max (lambda_max <= N).
         steps: number of Landweber steps.

@@ -1,0 +1,239 @@
+"""The unified spectral filtering estimator against independent computations (paper Sec. 3-4, App. B)."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import low_rank_plus_noise
+from specmerge import get_method
+from specmerge.filters import Exponential, Landweber, PseudoInverse, Tikhonov, TopK
+from specmerge.spectral import decompose, filtered_solve, initial_point, normal_equation
+
+# (N, d_out, d_in): full-rank C, and rank-deficient C with N d_out < d_in (the M M^T route)
+SHAPES = [(4, 12, 9), (3, 5, 11), (2, 3, 17)]
+INITS = ["sum", "mean", "zero"]
+
+
+def stack(shape, dtype=torch.float64):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def solve(tau, filt, tau_init="sum"):
+    eq = normal_equation(tau)
+    spectrum = decompose(eq)
+    return filtered_solve(eq, spectrum, filt(spectrum.eigenvalues), initial_point(tau, tau_init)), eq
+
+
+def test_normal_equation_matches_definition():
+    tau = stack((3, 5, 7))
+    eq = normal_equation(tau)
+    A = [t.T @ t / t.pow(2).sum() for t in tau]
+    torch.testing.assert_close(eq.C, sum(A))
+    torch.testing.assert_close(eq.D, sum(t @ a for t, a in zip(tau, A, strict=True)))
+    assert eq.C.trace().item() == pytest.approx(3.0)  # trace(C) = number of non-zero experts
+    # the quadratic form of Prop. 1: L(tau) = tr(tau C tau^T) - 2 tr(tau D^T) + const
+    x, y = torch.randn(5, 7, dtype=torch.float64), torch.randn(5, 7, dtype=torch.float64)
+    quad = lambda t: (t @ eq.C * t).sum() - 2 * (t * eq.D).sum()  # noqa: E731
+    torch.testing.assert_close(eq.loss(x) - eq.loss(y), quad(x) - quad(y))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_pseudoinverse_is_minimum_norm_least_squares(shape):
+    tau = stack(shape)
+    result, eq = solve(tau, PseudoInverse(), "zero")
+    # independent route: minimum-norm least squares of C X = D^T (C symmetric), SVD-based driver
+    reference = torch.linalg.lstsq(eq.C, eq.D.T, driver="gelsd").solution.T
+    torch.testing.assert_close(result, reference, rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(result, torch.from_numpy(eq.D.numpy() @ np.linalg.pinv(eq.C.numpy())))
+    # it minimises the WUDI loss: the gradient 2 (tau C - D) vanishes, also by autograd of the explicit loss
+    x = result.clone().requires_grad_(True)
+    eq.loss(x).backward()
+    assert x.grad.abs().max() < 1e-9 * eq.D.abs().max()
+    torch.testing.assert_close(result @ eq.C, eq.D)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("tau_init", INITS)
+@pytest.mark.parametrize("t", [0.7, 6.0, 40.0])
+def test_exponential_filter_is_gradient_flow(shape, tau_init, t):
+    tau = stack(shape)
+    result, eq = solve(tau, Exponential(t), tau_init)
+    # Solve d tau/dt = D - tau C exactly with one matrix exponential of the augmented system
+    # d/dt [tau, I] = [tau, I] @ [[-C, 0], [D, 0]], independent of any eigendecomposition.
+    d_out, d_in = eq.D.shape
+    gen = torch.zeros(d_in + d_out, d_in + d_out, dtype=torch.float64)
+    gen[:d_in, :d_in] = -eq.C
+    gen[d_in:, :d_in] = eq.D
+    start = initial_point(tau, tau_init)
+    start = torch.zeros(d_out, d_in, dtype=torch.float64) if start is None else start
+    flow = torch.cat([start, torch.eye(d_out, dtype=torch.float64)], dim=1) @ torch.linalg.matrix_exp(t * gen)
+    torch.testing.assert_close(result, flow[:, :d_in], rtol=1e-9, atol=1e-9)
+
+
+def test_exponential_filter_is_fine_step_integration():
+    tau = stack((3, 6, 8))
+    result, eq = solve(tau, Exponential(2.0), "mean")
+    x, dt = tau.mean(0), 1e-3
+    for _ in range(2000):  # classical RK4 on d tau/dt = D - tau C
+        f = lambda y: eq.D - y @ eq.C  # noqa: E731
+        k1 = f(x)
+        k2 = f(x + dt / 2 * k1)
+        k3 = f(x + dt / 2 * k2)
+        k4 = f(x + dt * k3)
+        x = x + dt / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+    torch.testing.assert_close(result, x, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("tau_init", INITS)
+def test_landweber_filter_is_n_gradient_steps(shape, tau_init):
+    tau = stack(shape)
+    eq = normal_equation(tau)
+    eta = 1.5 / float(torch.linalg.eigvalsh(eq.C)[-1])
+    result, _ = solve(tau, Landweber(eta, 37), tau_init)
+    x = initial_point(tau, tau_init)
+    x = torch.zeros_like(eq.D) if x is None else x
+    for _ in range(37):
+        x = x + eta * (eq.D - x @ eq.C)
+    torch.testing.assert_close(result, x, rtol=1e-10, atol=1e-10)
+
+
+def test_landweber_in_float32_matches_to_float_tolerance():
+    tau = stack((4, 16, 24), torch.float32)
+    eq = normal_equation(tau)
+    eta = 1.0 / float(torch.linalg.eigvalsh(eq.C)[-1])
+    result, _ = solve(tau, Landweber(eta, 20), "sum")
+    x = tau.sum(0)
+    for _ in range(20):
+        x = x + eta * (eq.D - x @ eq.C)
+    torch.testing.assert_close(result, x, rtol=1e-4, atol=1e-4 * float(x.abs().max()))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_swudi_full_rank_infinite_time_is_closed_form_on_range(shape):
+    tau = stack(shape)
+    eq = normal_equation(tau)
+    swudi = get_method("swudi")
+    closed = torch.linalg.pinv(eq.C)
+    on_range = eq.C @ closed  # orthogonal projector onto Range(C)
+    dc_plus = eq.D @ closed
+    result = swudi(tau, rank_ratio=1.0, t=float("inf"), tau_init="sum").delta
+    torch.testing.assert_close(result @ on_range, dc_plus, rtol=1e-9, atol=1e-9)
+    # off the range the sum start is kept unchanged
+    torch.testing.assert_close(result - result @ on_range, tau.sum(0) - tau.sum(0) @ on_range, rtol=1e-9, atol=1e-9)
+    # tau_init = zero is the direct filtered inverse D C^+ itself
+    torch.testing.assert_close(swudi(tau, rank_ratio=1.0, t=float("inf"), tau_init="zero").delta, dc_plus)
+
+
+def test_swudi_zero_init_is_direct_filtered_inverse():
+    tau = stack((5, 10, 14))
+    eq = normal_equation(tau)
+    lam, Q = np.linalg.eigh(eq.C.numpy())
+    lam, Q = lam[::-1], Q[:, ::-1]
+    k = int(np.ceil(0.6 * 14))  # 9
+    h = (np.arange(14) < k) * (1 - np.exp(-3.0 * lam))
+    expected = eq.D.numpy() @ Q @ np.diag(h / lam) @ Q.T
+    result = get_method("swudi")(tau, rank_ratio=0.6, t=3.0, tau_init="zero")
+    np.testing.assert_allclose(result.delta.numpy(), expected, rtol=1e-9, atol=1e-12)
+    assert result.diagnostics["kept_rank"] == 9
+
+
+def test_top_k_keeps_tau_init_off_the_kept_directions():
+    tau = stack((4, 10, 8))
+    result, eq = solve(tau, TopK(3), "sum")
+    Q = decompose(eq).eigenvectors
+    kept, dropped = Q[:, :3], Q[:, 3:]
+    torch.testing.assert_close(result @ dropped, tau.sum(0) @ dropped)
+    torch.testing.assert_close(result @ kept, eq.D @ kept @ torch.diag(1 / decompose(eq).eigenvalues[:3]))
+
+
+def test_tikhonov_is_ridge_solution():
+    tau = stack((3, 6, 9))
+    result, eq = solve(tau, Tikhonov(0.05), "zero")
+    # (D C^+) C (C + alpha I)^-1 restricted to the range; with D in the range this is D (C + alpha I)^-1
+    expected = eq.D @ torch.linalg.inv(eq.C + 0.05 * torch.eye(9, dtype=torch.float64))
+    torch.testing.assert_close(result, expected, rtol=1e-9, atol=1e-9)
+
+
+def test_filter_product_multiplies_gains():
+    lam = torch.tensor([3.0, 1.0, 0.5, 0.1, 0.0], dtype=torch.float64)
+    swudi_filter = TopK(3) * Exponential(2.0) * Tikhonov(0.1)
+    expected = torch.tensor([1, 1, 1, 0, 0.0], dtype=torch.float64) * (1 - torch.exp(-2 * lam)) * lam / (lam + 0.1)
+    torch.testing.assert_close(swudi_filter(lam), expected)
+    torch.testing.assert_close(Landweber(0.3, 4)(lam), 1 - (1 - 0.3 * lam) ** 4)
+
+
+def test_both_eigen_routes_agree():
+    # same C reached through d_in x d_in eigh and through the (N d_out)^2 Gram of M
+    tau = stack((2, 4, 30))
+    eq = normal_equation(tau)
+    spectrum = decompose(eq)  # n_rows = 8 < 30: Gram route
+    assert spectrum.eigenvalues.numel() == 8 and spectrum.rank == 8
+    lam_c = torch.linalg.eigvalsh(eq.C).flip(0)[:8]
+    torch.testing.assert_close(spectrum.eigenvalues, lam_c)
+    Q = spectrum.eigenvectors
+    torch.testing.assert_close(Q.T @ Q, torch.eye(8, dtype=torch.float64))
+    torch.testing.assert_close(eq.C @ Q, Q * spectrum.eigenvalues)
+
+
+def test_zero_experts_are_left_out_and_all_zero_gives_zero():
+    tau = stack((3, 6, 5))
+    with_zero = torch.cat([tau[:1], torch.zeros(1, 6, 5, dtype=torch.float64), tau[1:]])
+    for name in ["swudi", "swudi_a", "closed_form", "spectral_filter"]:
+        method = get_method(name)
+        a, b = method(tau).delta, method(with_zero).delta
+        torch.testing.assert_close(a, b)
+        assert method(with_zero).diagnostics["n_experts"] == 3
+        zero = method(torch.zeros(3, 6, 5))
+        assert torch.equal(zero.delta, torch.zeros(6, 5)) and zero.diagnostics["n_experts"] == 0
+
+
+def test_identical_experts_and_single_expert_return_the_expert():
+    tau = torch.randn(6, 9, dtype=torch.float64)
+    for experts in (tau[None], tau.expand(4, 6, 9)):
+        for init in INITS:
+            torch.testing.assert_close(get_method("closed_form")(experts, tau_init=init).delta, tau)
+        torch.testing.assert_close(get_method("swudi")(experts, rank_ratio=1.0, t=float("inf")).delta, tau)
+
+
+def test_rank_deficient_c_keeps_start_on_null_space():
+    tau = stack((2, 3, 20))  # rank(C) <= 6 < 20
+    result = get_method("swudi_a")(tau, rule="psqrt", tau_init="mean")
+    null = torch.linalg.svd(normal_equation(tau).M, full_matrices=True).Vh[6:].T
+    torch.testing.assert_close(result.delta @ null, tau.mean(0) @ null)
+    assert result.diagnostics["spectrum_size"] == 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs_compute_in_float32(dtype):
+    tau = low_rank_plus_noise(4, 32, 24, rank=6, noise=0.05, dtype=torch.float32).to(dtype)
+    for name in ["swudi", "swudi_a", "closed_form"]:
+        half = get_method(name)(tau)
+        assert half.delta.dtype == torch.float32
+        reference = get_method(name)(tau.float()).delta
+        torch.testing.assert_close(half.delta, reference)
+        double = get_method(name)(tau, dtype=torch.float64).delta
+        assert double.dtype == torch.float64
+        # float32 vs float64 differ only by rounding amplified by h/lambda on the small kept eigenvalues
+        assert float((double.float() - reference).norm() / reference.norm()) < 2e-2
+
+
+def test_scale_multiplies_the_delta():
+    tau = stack((3, 5, 6))
+    base = get_method("swudi_a")(tau).delta
+    torch.testing.assert_close(get_method("swudi_a")(tau, scale=0.3).delta, 0.3 * base)
+
+
+def test_swudi_a_zero_rank_keeps_tau_init_and_reports_it():
+    torch.manual_seed(3)
+    noise = torch.randn(6, 40, 30, dtype=torch.float64)  # pure i.i.d. noise: no spike above the bulk
+    result = get_method("swudi_a")(noise, rule="gavish_donoho")
+    assert result.diagnostics["kept_rank"] == 0
+    assert result.diagnostics["energy_kept"] == 0.0
+    torch.testing.assert_close(result.delta, noise.sum(0))
+
+
+def test_swudi_a_gavish_donoho_recovers_planted_rank_through_the_stack():
+    tau = low_rank_plus_noise(6, 40, 60, rank=5, noise=0.02)
+    result = get_method("swudi_a")(tau, rule="gavish_donoho")
+    assert result.diagnostics["kept_rank"] == 5
