@@ -11,11 +11,16 @@ import hashlib
 import math
 from collections.abc import Sequence
 from fractions import Fraction
+from typing import Annotated
 
 import torch
+from pydantic import Field
 
 from specmerge.registry import LayerResult, register
 from specmerge.spectral import nonzero_experts
+
+Density = Annotated[float, Field(gt=0, le=1)]
+DropRate = Annotated[float, Field(ge=0, lt=1)]
 
 TA_CITATION = "Ilharco et al., Editing Models with Task Arithmetic, ICLR 2023"
 TIES_CITATION = "Yadav et al., TIES-Merging: Resolving Interference When Merging Models, NeurIPS 2023"
@@ -94,7 +99,7 @@ def _sign_diagnostics(sign: torch.Tensor) -> dict:
 
 
 @register("ties", citation=TIES_CITATION, needs_matrix=False)
-def ties(task_vectors: torch.Tensor, *, density: float = 0.2, scale: float = 1.0) -> LayerResult:
+def ties(task_vectors: torch.Tensor, *, density: Density = 0.2, scale: float = 1.0) -> LayerResult:
     """TIES-Merging: trim each task vector to its largest entries, elect a sign per entry, average the agreeing.
 
     The trim is per expert and per tensor (the public code also offers a whole-model trim; per tensor
@@ -182,7 +187,7 @@ def dare(
 def dare_task_arithmetic(
     task_vectors: torch.Tensor,
     *,
-    drop_rate: float = 0.5,
+    drop_rate: DropRate = 0.5,
     seed: int = 0,
     scale: float = 0.3,
     tensor_name: str = "",
@@ -206,7 +211,7 @@ def dare_task_arithmetic(
 def dare_ties(
     task_vectors: torch.Tensor,
     *,
-    drop_rate: float = 0.5,
+    drop_rate: DropRate = 0.5,
     seed: int = 0,
     scale: float = 1.0,
     tensor_name: str = "",
