@@ -34,14 +34,23 @@ def synthetic_stack(n: int, d_out: int, d_in: int, rank: int = 32, noise: float 
     return 1e-3 * tau / tau.std()
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown cpu"
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def time_method(name: str, stack: torch.Tensor, repeats: int) -> list[float]:
+def time_method(name: str, stack: torch.Tensor, repeats: int) -> tuple[list[float], dict]:
+    """Wall times of ``repeats`` runs after one warm-up run, and the warm-up run's diagnostics."""
     method = get_method(name)
-    method(stack)  # warm-up (allocator, kernels, pydantic model)
+    diagnostics = method(stack).diagnostics  # warm-up (allocator, kernels, pydantic model)
     times = []
     for _ in range(repeats):
         sync(stack.device)
@@ -49,7 +58,7 @@ def time_method(name: str, stack: torch.Tensor, repeats: int) -> list[float]:
         method(stack)
         sync(stack.device)
         times.append(time.perf_counter() - start)
-    return times
+    return times, diagnostics
 
 
 def main() -> None:
@@ -61,20 +70,30 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=METHODS)
     args = parser.parse_args()
     device = torch.device(args.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     threads = torch.get_num_threads()
     print(f"# torch {torch.__version__}, device {device} ({name}), {threads} threads, float32, N={args.experts}")
     print(f"# median seconds per layer over {args.repeats} runs ({args.reference_repeats} for wudi_reference)\n")
-    print("| layer (d_out x d_in) | " + " | ".join(args.methods) + " |")
-    print("|---|" + "---:|" * len(args.methods))
+    print("| layer (d_out x d_in) | " + " | ".join(args.methods) + " | K of swudi_a / swudi |")
+    print("|---|" + "---:|" * (len(args.methods) + 1))
+    ratios = []
     for layer, d_out, d_in in SHAPES:
         stack = synthetic_stack(args.experts, d_out, d_in).to(device)
-        medians = {}
+        medians, kept = {}, {}
         for m in args.methods:
             repeats = args.reference_repeats if m == "wudi_reference" else args.repeats
-            medians[m] = statistics.median(time_method(m, stack, repeats))
+            times, diagnostics = time_method(m, stack, repeats)
+            medians[m], kept[m] = statistics.median(times), diagnostics.get("kept_rank")
         cells = " | ".join(f"{medians[m]:.3g}" for m in args.methods)
-        print(f"| {layer} ({d_out}x{d_in}) | {cells} |", flush=True)
+        print(f"| {layer} ({d_out}x{d_in}) | {cells} | {kept.get('swudi_a')} / {kept.get('swudi')} |", flush=True)
+        if "wudi_reference" in medians:
+            ratios.append((layer, {m: medians["wudi_reference"] / medians[m] for m in args.methods}))
+    if ratios:
+        print("\nSpeed-up over reference-style WUDI-300 (ratio of the medians above):\n")
+        print("| layer | " + " | ".join(args.methods) + " |")
+        print("|---|" + "---:|" * len(args.methods))
+        for layer, row in ratios:
+            print(f"| {layer} | " + " | ".join(f"{row[m]:.1f}x" for m in args.methods) + " |")
 
 
 if __name__ == "__main__":

@@ -97,19 +97,27 @@ def proxy_loss(tau: torch.Tensor, targets: torch.Tensor, proxies: torch.Tensor, 
 def normal_equation(task_vectors: torch.Tensor) -> NormalEquation:
     """Build D = sum tau_i A_i for the non-zero experts of an (N, d_out, d_in) stack.
 
-    Each term is formed in the cheaper order, (tau_i tau_i^T) tau_i when d_out < d_in and
-    tau_i (tau_i^T tau_i) otherwise, one expert at a time so the workspace is one small Gram.
+    Each term is formed in the cheaper order, one expert at a time so the workspace is one small
+    Gram: (tau_i tau_i^T) tau_i / n_i when d_out < d_in, else tau_i A_i, in which case the A_i are
+    summed into C on the way (C is then needed anyway: N d_out >= d_in selects the C route).
     """
     if task_vectors.dim() != 3:
         raise ValueError(f"expected a stack N x d_out x d_in, got shape {tuple(task_vectors.shape)}")
     tau, norms_sq = nonzero_experts(task_vectors)
-    D = torch.zeros(task_vectors.shape[1:], dtype=task_vectors.dtype, device=task_vectors.device)
+    d_out, d_in = task_vectors.shape[1:]
+    D = task_vectors.new_zeros(d_out, d_in)
+    C = task_vectors.new_zeros(d_in, d_in) if d_out >= d_in else None
     for tau_i, n_i in zip(tau, norms_sq, strict=True):
-        if tau_i.shape[0] < tau_i.shape[1]:
+        if C is None:
             D += (tau_i @ tau_i.T) @ tau_i / n_i
         else:
-            D += tau_i @ (tau_i.T @ tau_i) / n_i
-    return NormalEquation(tau, norms_sq, D)
+            A_i = tau_i.T @ tau_i / n_i
+            C += A_i
+            D += tau_i @ A_i
+    eq = NormalEquation(tau, norms_sq, D)
+    if C is not None:
+        eq.__dict__["C"] = C  # fill the cached property: same value as M^T M, already paid for
+    return eq
 
 
 @dataclass(frozen=True)
