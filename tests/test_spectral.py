@@ -237,3 +237,21 @@ def test_swudi_a_gavish_donoho_recovers_planted_rank_through_the_stack():
     tau = low_rank_plus_noise(6, 40, 60, rank=5, noise=0.02)
     result = get_method("swudi_a")(tau, rule="gavish_donoho")
     assert result.diagnostics["kept_rank"] == 5
+
+
+def test_generic_spectral_filter_method_is_the_same_code_path():
+    tau = stack((4, 10, 12))
+    method = get_method("spectral_filter")
+    eq = normal_equation(tau)
+    eta = 0.5 / float(torch.linalg.eigvalsh(eq.C)[-1])
+    landweber, _ = solve(tau, Landweber(eta, 9), "mean")
+    torch.testing.assert_close(method(tau, filter="landweber", eta=eta, steps=9, tau_init="mean").delta, landweber)
+    tikhonov, _ = solve(tau, Tikhonov(0.02), "zero")
+    torch.testing.assert_close(method(tau, filter="tikhonov", alpha=0.02, tau_init="zero").delta, tikhonov)
+    # pinv x psqrt mask is SWUDI-A; exponential x ratio mask is SWUDI
+    torch.testing.assert_close(method(tau, filter="pinv", rank="psqrt").delta, get_method("swudi_a")(tau).delta)
+    torch.testing.assert_close(
+        method(tau, filter="exponential", t=50.0, rank="ratio", rank_ratio=0.5).delta,
+        get_method("swudi")(tau, t=50.0, rank_ratio=0.5).delta,
+    )
+    assert method(tau, filter="pinv", rank="ratio", rank_ratio=0.5).diagnostics["kept_rank"] == 6

@@ -68,6 +68,7 @@ class Method:
     citation: str
     needs_matrix: bool
     params: tuple[Param, ...]
+    context: frozenset[str]  # the reserved context keywords fn accepts
 
     def param(self, name: str) -> Param:
         for p in self.params:
@@ -116,10 +117,9 @@ class Method:
                 f"method '{self.name}' needs 2-D weights (a stack N x d_out x d_in), "
                 f"got a stack of shape {tuple(task_vectors.shape)} for tensor '{tensor_name or '?'}'"
             )
-        wants = inspect.signature(self.fn).parameters
-        if "tensor_name" in wants:
+        if "tensor_name" in self.context:
             values["tensor_name"] = tensor_name
-        if "expert_keys" in wants:
+        if "expert_keys" in self.context:
             values["expert_keys"] = expert_keys
         return self.fn(compute_dtype(task_vectors, dtype), **values)
 
@@ -147,7 +147,8 @@ def register(name: str, *, citation: str, needs_matrix: bool = True) -> Callable
         summary, helps = _parse_docstring(fn)
         hints = typing.get_type_hints(fn, include_extras=True)
         params = []
-        for p in inspect.signature(fn).parameters.values():
+        signature = inspect.signature(fn).parameters
+        for p in signature.values():
             if p.kind is not inspect.Parameter.KEYWORD_ONLY or p.name in CONTEXT_KEYWORDS:
                 continue
             if p.default is inspect.Parameter.empty:
@@ -155,7 +156,8 @@ def register(name: str, *, citation: str, needs_matrix: bool = True) -> Callable
             if p.name not in helps:
                 raise TypeError(f"method '{name}': parameter '{p.name}' has no help text in the docstring")
             params.append(Param(p.name, hints[p.name], p.default, helps[p.name]))
-        _METHODS[name] = Method(name, fn, summary, citation, needs_matrix, tuple(params))
+        context = frozenset(CONTEXT_KEYWORDS & signature.keys())
+        _METHODS[name] = Method(name, fn, summary, citation, needs_matrix, tuple(params), context)
         return fn
 
     return wrap
