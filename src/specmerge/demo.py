@@ -68,6 +68,7 @@ def run_demo(seed: int = 0) -> list[dict]:
     layer = synthetic_layer(seed=seed)
     rows = [{"method": "(base model, no merge)", "interference": 1.0, "worst_task": 1.0, "kept_rank": None, "ms": 0.0}]
     for name, method in methods().items():
+        method(layer.task_vectors, tensor_name="demo.weight")  # warm-up: first-use costs are not the method's
         start = time.perf_counter()
         result = method(layer.task_vectors, tensor_name="demo.weight")
         elapsed = time.perf_counter() - start
