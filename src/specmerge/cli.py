@@ -1,4 +1,4 @@
-"""Command line: `specmerge methods` lists the merge methods and their parameters; `specmerge demo` runs the demo."""
+"""Command line: `specmerge merge`, `specmerge run RECIPE`, `specmerge methods`, `specmerge demo`."""
 
 from __future__ import annotations
 
@@ -34,12 +34,76 @@ def _demo_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_params(pairs: list[str]) -> dict:
+    """``k=v`` strings to a dict; values read as YAML scalars (0.5, true, inf, psqrt), then validated by the method."""
+    import yaml
+
+    params = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--param expects key=value, got '{pair}'")
+        params[key.strip()] = yaml.safe_load(value)
+    return params
+
+
+def _merge_command(args: argparse.Namespace) -> int:
+    from specmerge.api import merge
+
+    options = {k: v for k, v in (("dtype", args.dtype), ("device", args.device), ("shard_size", args.shard_size)) if v}
+    report = merge(
+        args.base,
+        args.experts,
+        args.output,
+        method=args.method,
+        params=_parse_params(args.param),
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+        **options,
+    )
+    _print_summary(report, args.output)
+    return 0
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    from specmerge.api import run_recipe
+    from specmerge.recipe import load_recipe
+
+    report = run_recipe(load_recipe(args.recipe), args.output, overwrite=args.overwrite, progress=not args.quiet)
+    _print_summary(report, args.output)
+    return 0
+
+
+def _print_summary(report: dict, output: str) -> None:
+    print(f"merged {len(report['tensors'])} tensors with {report['method']} in {report['seconds']:.1f} s -> {output}")
+
+
+def _add_output_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", required=True, help="new model folder (must not exist unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specmerge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("methods", help="list the merge methods and their parameters")
     p.add_argument("name", nargs="?", help="show only this method")
     p.set_defaults(run=_methods_command)
+    p = sub.add_parser("merge", help="merge experts fine-tuned from BASE into a new model folder")
+    p.add_argument("base", help="base model: Hugging Face folder or .safetensors file")
+    p.add_argument("experts", nargs="+", help="fine-tuned experts of the same architecture")
+    p.add_argument("-m", "--method", default="swudi_a", help="merge method (see `specmerge methods`)")
+    p.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE", help="method parameter")
+    p.add_argument("--dtype", help="output dtype: auto (base's), float32, float16, bfloat16")
+    p.add_argument("--device", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--shard-size", help="largest output shard, e.g. 5GB or 500MB")
+    _add_output_arguments(p)
+    p.set_defaults(run=_merge_command)
+    p = sub.add_parser("run", help="run a YAML recipe")
+    p.add_argument("recipe", help="recipe file (see README)")
+    _add_output_arguments(p)
+    p.set_defaults(run=_run_command)
     p = sub.add_parser("demo", help="merge a synthetic layer with every method and print a table")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=_demo_command)
@@ -50,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, OSError) as err:
         print(f"specmerge: error: {err}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,251 @@
+"""The merge plan: what happens to each tensor, decided from names, shapes and dtypes before any data is read.
+
+Every tensor of the base gets one action: ``merge`` (run a method on the N task vectors), ``average``
+(W_0 + s * mean of the task vectors) or ``keep_base`` (copy W_0). The rules, in order, follow the
+paper (merge the 2-D linear weights, average the rest):
+
+1. Not floating point (integer buffers such as ``position_ids``, boolean masks): ``keep_base``.
+   Overrides cannot change this: there is nothing to average in an index table.
+2. Overrides, in recipe order; the first whose fnmatch ``pattern`` matches the name wins.
+   ``keep_base`` and ``average`` as given; ``merge`` uses the override's method and params, or the
+   recipe's. A method that needs 2-D weights on a tensor that is not 2-D is an error.
+3. Embeddings and output heads (:func:`is_embedding`: ``embed_tokens``, ``wte``, ``lm_head``, ``shared``,
+   CLIP ``patch_embedding``, ...): ``recipe.non_matrix``, unless ``recipe.merge_embeddings``, in which case
+   they follow rules 4-5 like any other tensor.
+4. 2-D floating tensors whose last name component contains ``weight`` (``q_proj.weight``, CLIP's
+   ``in_proj_weight``, GPT-2's Conv1D ``c_attn.weight``): ``merge`` with the recipe's method. A fused
+   weight (qkv, gate_up) is one 2-D layer.
+5. Everything else that is floating (1-D norms and biases, >= 3-D conv kernels, 2-D parameters not
+   named ``weight``): ``merge`` when the method is elementwise (task arithmetic, TIES and DARE apply to
+   every tensor, as in their papers); ``recipe.non_matrix`` when the method needs matrices.
+
+Averaged entries carry ``params = {"scale": s}``: s is the recipe method's ``scale`` when
+``recipe.scale_non_matrix`` is set, else 1 (a plain average). ``keep_base`` entries carry no params.
+
+Output dtype: the base tensor's dtype when ``recipe.dtype`` is ``auto``, else the recipe's dtype for
+floating tensors; non-floating tensors keep theirs.
+
+Every base tensor that is merged or averaged must exist in every expert with the same shape (dtypes
+may differ: bf16 and fp32 experts mix fine); ``keep_base`` tensors are not read from the experts, so a
+resized vocabulary can be kept from the base with an override. A tensor that an expert has and the base
+lacks is an error, since it would be dropped. An override that matches no tensor is an error too (a
+misspelled pattern would otherwise change nothing, silently).
+
+The plan keeps the base's tensor order. Tied weights: Hugging Face stores a tied pair once; when a
+checkpoint does hold both names (``embed_tokens`` and ``lm_head``) they are separate entries that get the
+same rule, so deterministic methods give them identical results (DARE's masks depend on the tensor
+name, so tied copies differ; ``transformers`` re-ties them on load).
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+
+from specmerge.recipe import DTYPES, Recipe
+from specmerge.registry import Method, get_method
+
+Action = Literal["merge", "average", "keep_base"]
+
+# Name components of token/position/patch embeddings and output heads, across model families.
+EMBEDDING_COMPONENTS = frozenset(
+    {
+        "embed_tokens", "embed_positions", "embed_in", "embed_out", "tok_embeddings",  # Llama, OPT, GPT-NeoX, Meta
+        "wte", "wpe",  # GPT-2
+        "word_embeddings", "position_embeddings", "token_type_embeddings",  # BERT, RoBERTa, BLOOM, Falcon
+        "shared", "relative_attention_bias",  # T5
+        "lm_head", "output_layer",  # output heads (ChatGLM calls it output_layer)
+        "token_embedding", "position_embedding", "patch_embedding", "class_embedding",  # CLIP (HF)
+        "positional_embedding",  # open_clip
+        "patch_embed", "pos_embed", "cls_token", "dist_token",  # timm ViT, Qwen-VL vision towers
+    }
+)  # fmt: skip
+# Whole-name endings that are embeddings or heads tied to one.
+EMBEDDING_SUFFIXES = (".embeddings.weight", ".embedding.weight", "predictions.decoder.weight")  # Mamba, BERT MLM
+EMBEDDING_NAMES = frozenset({"output.weight", "embeddings.weight", "embedding.weight"})  # Meta's original lm_head
+
+
+class TensorInfoLike(Protocol):
+    """What the plan needs to know of a stored tensor (``specmerge.sources.TensorInfo`` is one)."""
+
+    name: str
+    shape: Sequence[int]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """The decision for one tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    out_dtype: torch.dtype
+    action: Action
+    method: str | None  # for merge
+    params: dict[str, Any]  # merge: the method's complete params; average: {"scale": s}; keep_base: {}
+    reason: str  # short human text: "2-D linear weight", "embedding", "override '*.mlp.*'", ...
+
+
+class PlanError(ValueError):
+    """The checkpoints and the recipe do not fit together; the message names the tensor and the file."""
+
+
+def is_embedding(name: str) -> bool:
+    """Whether ``name`` is a token/position/patch embedding or an output head (``lm_head``) by its name."""
+    if name in EMBEDDING_NAMES or name.endswith(EMBEDDING_SUFFIXES):
+        return True
+    return any(part in EMBEDDING_COMPONENTS for part in name.split("."))
+
+
+def default_action(
+    name: str, shape: Sequence[int], dtype: torch.dtype, method: Method, recipe: Recipe
+) -> tuple[Action, str]:
+    """The action and reason for a tensor no override matches (rules 1 and 3-5 of the module docstring)."""
+    if not dtype.is_floating_point:
+        return "keep_base", "not floating point"
+    kind = _kind(name, len(shape))
+    if is_embedding(name):
+        if not recipe.merge_embeddings:
+            return recipe.non_matrix, "embedding"
+        kind = "embedding" if len(shape) == 2 else f"embedding, {kind}"
+        return ("merge", kind) if len(shape) == 2 or not method.needs_matrix else (recipe.non_matrix, kind)
+    if kind == "2-D linear weight" or not method.needs_matrix:
+        return "merge", kind
+    return recipe.non_matrix, kind
+
+
+def make_plan(
+    recipe: Recipe,
+    base: Mapping[str, TensorInfoLike],
+    experts: Sequence[Mapping[str, TensorInfoLike]],
+    expert_paths: Sequence[str],
+) -> list[TensorPlan]:
+    """One :class:`TensorPlan` per base tensor, in the base's order; checks the experts fit the base."""
+    if len(experts) != len(expert_paths):
+        raise PlanError(f"make_plan got {len(experts)} experts but {len(expert_paths)} expert paths")
+    method = get_method(recipe.method)
+    average_params = {"scale": float(recipe.params.get("scale", 1.0)) if recipe.scale_non_matrix else 1.0}
+    used = [False] * len(recipe.overrides)
+    plan = []
+    problems: list[str] = []
+    for name, info in base.items():
+        shape = tuple(int(d) for d in info.shape)
+        entry = _plan_tensor(name, shape, info.dtype, method, recipe, average_params, used)
+        plan.append(entry)
+        if entry.action != "keep_base":
+            problems += _expert_problems(name, shape, experts, expert_paths)
+    for expert, path in zip(experts, expert_paths, strict=True):
+        problems += [
+            f"tensor '{name}' is in expert '{path}' but not in the base: it would be dropped from the merged model; "
+            "merge only experts fine-tuned from this base"
+            for name in expert
+            if name not in base
+        ]
+    if problems:
+        more = f" (and {len(problems) - 1} more such problems)" if len(problems) > 1 else ""
+        raise PlanError(problems[0] + more)
+    for override, matched in zip(recipe.overrides, used, strict=True):
+        if not matched and not any(fnmatch.fnmatchcase(name, override.pattern) for name in base):
+            example = difflib.get_close_matches(override.pattern, list(base), n=1, cutoff=0)
+            hint = f" (names look like '{example[0]}')" if example else ""
+            raise PlanError(
+                f"override '{override.pattern}' matches no tensor of the base{hint}: fix the pattern or remove it"
+            )
+    return plan
+
+
+def summarize(plan: Sequence[TensorPlan]) -> dict[str, Any]:
+    """Counts and output bytes in total, per action, per method (merges) and per reason."""
+
+    def tally(groups: dict[str, dict[str, int]], key: str, nbytes: int) -> None:
+        group = groups.setdefault(key, {"tensors": 0, "bytes": 0})
+        group["tensors"] += 1
+        group["bytes"] += nbytes
+
+    summary: dict[str, Any] = {"tensors": 0, "bytes": 0, "by_action": {}, "by_method": {}, "by_reason": {}}
+    for entry in plan:
+        nbytes = _numel(entry.shape) * entry.out_dtype.itemsize
+        summary["tensors"] += 1
+        summary["bytes"] += nbytes
+        tally(summary["by_action"], entry.action, nbytes)
+        if entry.method is not None:
+            tally(summary["by_method"], entry.method, nbytes)
+        tally(summary["by_reason"], entry.reason, nbytes)
+    return summary
+
+
+def _plan_tensor(
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    method: Method,
+    recipe: Recipe,
+    average_params: dict[str, float],
+    used: list[bool],
+) -> TensorPlan:
+    out_dtype = DTYPES[recipe.dtype] if recipe.dtype != "auto" and dtype.is_floating_point else dtype
+    if not dtype.is_floating_point:
+        return TensorPlan(name, shape, out_dtype, "keep_base", None, {}, "not floating point")
+    for i, override in enumerate(recipe.overrides):
+        if not fnmatch.fnmatchcase(name, override.pattern):
+            continue
+        used[i] = True
+        reason = f"override '{override.pattern}'"
+        if override.action != "merge":
+            params = dict(average_params) if override.action == "average" else {}
+            return TensorPlan(name, shape, out_dtype, override.action, None, params, reason)
+        chosen = get_method(override.method or recipe.method)
+        if chosen.needs_matrix and len(shape) != 2:
+            raise PlanError(
+                f"override '{override.pattern}' merges tensor '{name}' of shape {shape} with '{chosen.name}', "
+                "which needs 2-D weights: narrow the pattern (e.g. to '*.weight'), or use action average "
+                "or an elementwise method"
+            )
+        return TensorPlan(name, shape, out_dtype, "merge", chosen.name, dict(override.params), reason)
+    action, reason = default_action(name, shape, dtype, method, recipe)
+    if action == "merge":
+        return TensorPlan(name, shape, out_dtype, "merge", method.name, dict(recipe.params), reason)
+    params = dict(average_params) if action == "average" else {}
+    return TensorPlan(name, shape, out_dtype, action, None, params, reason)
+
+
+def _expert_problems(
+    name: str, shape: tuple[int, ...], experts: Sequence[Mapping[str, TensorInfoLike]], paths: Sequence[str]
+) -> list[str]:
+    problems = []
+    for expert, path in zip(experts, paths, strict=True):
+        info = expert.get(name)
+        if info is None:
+            problems.append(
+                f"tensor '{name}' is in the base but not in expert '{path}': every expert needs every merged "
+                "tensor (an override with action keep_base takes it from the base)"
+            )
+        elif tuple(int(d) for d in info.shape) != shape:
+            problems.append(
+                f"tensor '{name}' has shape {tuple(info.shape)} in expert '{path}' but {shape} in the base: "
+                "experts must be fine-tuned from this base (for a resized vocabulary, an override with "
+                "action keep_base takes the tensor from the base)"
+            )
+    return problems
+
+
+def _kind(name: str, ndim: int) -> str:
+    if ndim == 2:
+        return "2-D linear weight" if "weight" in name.rsplit(".", 1)[-1] else "2-D, not named weight"
+    if ndim == 1:
+        return "norm/bias (1-D)"
+    if ndim == 0:
+        return "scalar"
+    return f"{ndim}-D tensor"
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for d in shape:
+        count *= d
+    return count

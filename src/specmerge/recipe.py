@@ -1,0 +1,373 @@
+"""The merge recipe: a strict schema, validated completely before any tensor is read.
+
+A recipe names the base model, the experts, the method and its parameters, per-tensor overrides and
+the output options. ``load_recipe(path)`` reads YAML (relative paths are taken from the recipe file's
+folder), ``Recipe.from_dict(d)`` or ``Recipe(**d)`` build one in Python, ``Recipe.to_yaml()`` writes it
+back (it round-trips). Every mistake raises :class:`RecipeError` with a one-line message that names the
+key, the value and, for misspellings, the closest valid name.
+
+After validation a recipe is complete: ``params`` (and every merge override's ``params``) hold every
+parameter of their method with defaults filled in, and ``expert_keys`` holds one unique name per expert.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from specmerge.registry import get_method, methods, unknown_name_message
+
+# Output and compute dtypes a recipe may name.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+# Decimal units are powers of 1000 (5GB = 5e9 bytes, as Hugging Face writes shard sizes), binary ones of 1024.
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+_DEVICE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
+
+
+class RecipeError(ValueError):
+    """An invalid recipe. ``loc`` is the place in the recipe document (keys and list indices), when known."""
+
+    def __init__(self, message: str, loc: Sequence[str | int] = ()) -> None:
+        super().__init__(message)
+        self.loc = tuple(loc)
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as ``"500MB"``, ``"2GB"`` (10**9) or ``"1.5GiB"`` (2**30)."""
+    if isinstance(value, bool):
+        raise RecipeError(f"shard_size must be a number of bytes or a size such as '5GB', got {value!r}")
+    if isinstance(value, int):
+        size = value
+    else:
+        match = _SIZE.match(str(value))
+        unit = match.group(2).lower() if match else None
+        if unit not in _SIZE_UNITS:
+            raise RecipeError(
+                f"shard_size {value!r} is not a size: use bytes or a number with a unit "
+                f"(B, KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = powers of 1024), e.g. '5GB'"
+            )
+        size = round(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size < 1:
+        raise RecipeError(f"shard_size must be at least 1 byte, got {value!r}")
+    return size
+
+
+class Override(BaseModel):
+    """Treatment of the tensors whose name matches ``pattern`` (an fnmatch glob); the first match wins."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pattern: str = Field(min_length=1)
+    action: Literal["merge", "average", "keep_base"] = "merge"
+    method: str | None = None  # for action=merge; None = the recipe's method
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            pattern = data.get("pattern", "?")
+            for key in data:
+                if key not in cls.model_fields:
+                    message = unknown_name_message("override key", str(key), list(cls.model_fields))
+                    raise RecipeError(f"override '{pattern}': {message}", (key,))
+            if data.get("params", {}) is None:  # an empty `params:` in YAML
+                data = {**data, "params": {}}
+        return data
+
+    @model_validator(mode="after")
+    def _merge_only_options(self) -> Override:
+        if self.action != "merge" and (self.method is not None or self.params):
+            raise RecipeError(
+                f"override '{self.pattern}': 'method' and 'params' apply only to action 'merge', "
+                f"not '{self.action}'; remove them or set action: merge",
+                ("method" if self.method is not None else "params",),
+            )
+        return self
+
+
+class Recipe(BaseModel):
+    """A complete, validated merge recipe."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    base: str = Field(min_length=1)
+    experts: list[str] = Field(min_length=1)
+    # Names of the experts for seeded methods (DARE); default: each expert path's folder/file name, made unique.
+    expert_keys: list[str] | None = Field(default=None, validate_default=True)
+    method: str = "swudi_a"
+    params: dict[str, Any] = Field(default_factory=dict, validate_default=True)
+    overrides: list[Override] = Field(default_factory=list, validate_default=True)  # the first matching pattern wins
+    non_matrix: Literal["average", "keep_base"] = "average"  # tensors the method does not take
+    scale_non_matrix: bool = False  # whether the method's `scale` also multiplies averaged tensors
+    merge_embeddings: bool = False  # embeddings / lm_head get the method instead of the non_matrix rule
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # output; auto = each tensor's base dtype
+    compute_dtype: Literal["float32", "float64"] = "float32"
+    device: str = "cpu"  # cpu, cuda, cuda:N, auto (cuda when available)
+    shard_size: int | str = "5GB"  # bytes, or "500MB" / "2GB" (10**9) / "1.5GiB" (2**30)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            raise _recipe_error(err, data) from None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Recipe:
+        """Validate a plain mapping (as read from YAML or JSON); the mapping is not modified."""
+        if not isinstance(data, Mapping):
+            raise RecipeError(f"a recipe is a mapping of keys (base, experts, method, ...), got {type(data).__name__}")
+        for key in data:
+            if not isinstance(key, str):
+                raise RecipeError(f"recipe keys are names, got {key!r}", (key,))
+        return cls(**data)
+
+    @property
+    def shard_bytes(self) -> int:
+        """The largest output shard, in bytes."""
+        return parse_size(self.shard_size)
+
+    def to_yaml(self) -> str:
+        """The recipe as YAML; ``Recipe.from_dict(yaml.safe_load(r.to_yaml())) == r``."""
+        return yaml.safe_dump(self.model_dump(), sort_keys=False, default_flow_style=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        for key in data:
+            if key in cls.model_fields:
+                continue
+            if any(key in (p.name for p in m.params) for m in methods().values()):
+                raise RecipeError(
+                    f"unknown recipe key '{key}': method parameters go under 'params:' (params: {{{key}: ...}})",
+                    (key,),
+                )
+            raise RecipeError(unknown_name_message("recipe key", str(key), list(cls.model_fields)), (key,))
+        empty = {key: {} if key == "params" else [] for key in ("params", "overrides") if data.get(key, 0) is None}
+        return {**data, **empty}  # an empty `params:` or `overrides:` in YAML means none
+
+    @field_validator("base", "experts", mode="before")
+    @classmethod
+    def _fspath(cls, value: Any) -> Any:
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        if isinstance(value, list | tuple):
+            return [os.fspath(v) if isinstance(v, os.PathLike) else v for v in value]
+        return value
+
+    @field_validator("experts")
+    @classmethod
+    def _distinct_experts(cls, experts: list[str]) -> list[str]:
+        seen: dict[str, int] = {}
+        for i, path in enumerate(experts):
+            if not path:
+                raise RecipeError(f"experts[{i}] is an empty path", (i,))
+            key = os.path.normpath(path)
+            if key in seen:
+                raise RecipeError(f"expert '{path}' is listed twice (experts[{seen[key]}] and experts[{i}])", (i,))
+            seen[key] = i
+        return experts
+
+    @field_validator("expert_keys")
+    @classmethod
+    def _expert_keys(cls, keys: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        experts = info.data.get("experts")
+        if experts is None:
+            return keys  # experts are invalid; that error is reported
+        if keys is None:
+            return default_expert_keys(experts)
+        if len(keys) != len(experts):
+            raise RecipeError(
+                f"expert_keys has {len(keys)} names but there are {len(experts)} experts: give one name per expert",
+            )
+        for i, key in enumerate(keys):
+            if not key:
+                raise RecipeError(f"expert_keys[{i}] is empty", (i,))
+            if key in keys[:i]:
+                raise RecipeError(f"expert_keys has '{key}' twice: the names must be unique", (i,))
+        return keys
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, name: str) -> str:
+        try:
+            get_method(name)
+        except ValueError as err:
+            raise RecipeError(str(err)) from None
+        return name
+
+    @field_validator("params")
+    @classmethod
+    def _complete_params(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "method" not in info.data:
+            return params  # unknown method; that error is reported
+        try:
+            return get_method(info.data["method"]).validate(params)
+        except ValueError as err:
+            raise RecipeError(str(err)) from None
+
+    @field_validator("overrides")
+    @classmethod
+    def _complete_override_params(cls, overrides: list[Override], info: ValidationInfo) -> list[Override]:
+        if "method" not in info.data or "params" not in info.data:
+            return overrides
+        completed = []
+        for i, override in enumerate(overrides):
+            if override.action != "merge":
+                completed.append(override)
+                continue
+            try:
+                method = get_method(override.method or info.data["method"])
+            except ValueError as err:
+                raise RecipeError(f"override '{override.pattern}': {err}", (i, "method")) from None
+            # Without its own method an override refines the recipe's params; with one it starts from its defaults.
+            given = override.params if override.method else {**info.data["params"], **override.params}
+            try:
+                params = method.validate(given)
+            except ValueError as err:
+                raise RecipeError(f"override '{override.pattern}': {err}", (i, "params")) from None
+            completed.append(override.model_copy(update={"params": params}))
+        return completed
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, device: str) -> str:
+        if not _DEVICE.match(device):
+            raise RecipeError(f"device '{device}' is not one of cpu, cuda, cuda:N (N = 0, 1, ...), auto")
+        return device
+
+    @field_validator("shard_size", mode="before")
+    @classmethod
+    def _shard_size(cls, value: Any) -> Any:
+        if isinstance(value, int | str):
+            parse_size(value)
+        return value
+
+
+def default_expert_keys(experts: Sequence[str]) -> list[str]:
+    """Each expert's folder/file name; where names repeat, as many parent folders as make them unique."""
+    parts = [Path(os.path.normpath(e)).parts or (e,) for e in experts]
+    keys = [p[-1] for p in parts]
+    depth = 1
+    while len(set(keys)) < len(keys) and depth < max(len(p) for p in parts):
+        depth += 1
+        repeated = {k for k in keys if keys.count(k) > 1}
+        keys = ["/".join(p[-depth:]) if k in repeated else k for p, k in zip(parts, keys, strict=True)]
+    for i, key in enumerate(keys):  # still equal (cannot happen for distinct paths): number them
+        if keys.count(key) > 1:
+            keys[i] = f"{key}#{i}"
+    return keys
+
+
+def load_recipe(path: str | os.PathLike) -> Recipe:
+    """Read and validate a YAML recipe; relative ``base`` and ``experts`` paths are taken from its folder."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(f"recipe file '{path}' does not exist") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise RecipeError(f"recipe file '{path}' cannot be read: {err}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(err, "problem", None) or str(err).replace("\n", " ")
+        raise RecipeError(f"{where}: invalid YAML: {problem}") from None
+    if data is None:
+        raise RecipeError(f"{path}: the recipe file is empty; it needs at least 'base' and 'experts'")
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping of keys (base, experts, ...), got {type(data).__name__}")
+    data = _resolve_paths(data, path.parent)
+    try:
+        return Recipe.from_dict(data)
+    except RecipeError as err:
+        line = _line_of(text, err.loc)
+        raise RecipeError(f"{path}:{line}: {err}" if line else f"{path}: {err}", err.loc) from None
+
+
+def _resolve_paths(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    def resolve(value: Any) -> Any:
+        if not isinstance(value, str) or not value:
+            return value
+        value = os.path.expanduser(value)
+        return value if os.path.isabs(value) else os.path.normpath(folder / value)
+
+    data = dict(data)
+    if "base" in data:
+        data["base"] = resolve(data["base"])
+    if isinstance(data.get("experts"), list):
+        data["experts"] = [resolve(e) for e in data["experts"]]
+    return data
+
+
+def _line_of(text: str, loc: Sequence[str | int]) -> int | None:
+    """The 1-based line of the deepest node of ``loc`` found in the YAML document."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None
+    line = None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next((kv for kv in node.value if getattr(kv[0], "value", None) == str(part)), None)
+            if match is None:
+                break
+            line, node = match[0].start_mark.line, match[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line
+        else:
+            break
+    return None if line is None else line + 1
+
+
+def _recipe_error(err: ValidationError, data: Mapping[str, Any]) -> RecipeError:
+    """One line for the first problem pydantic found (ours carry their own message), and a count of the rest."""
+    errors = err.errors()
+    first = errors[0]
+    loc = tuple(first["loc"])
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, RecipeError):
+        return RecipeError(f"{cause}{more}", loc + cause.loc)
+    where = _where(loc, data)
+    if first["type"] == "missing":
+        return RecipeError(f"{where} is required{more}", loc)
+    message = first["msg"][:1].lower() + first["msg"][1:]
+    return RecipeError(f"{where}: {message} (got {first.get('input')!r}){more}", loc)
+
+
+def _where(loc: tuple[str | int, ...], data: Mapping[str, Any]) -> str:
+    """``recipe key 'experts[1]'`` or ``override '*.mlp.*' key 'action'``."""
+    if len(loc) >= 2 and loc[0] == "overrides" and isinstance(loc[1], int):
+        items = data.get("overrides")
+        item = items[loc[1]] if isinstance(items, list) and loc[1] < len(items) else None
+        pattern = item.get("pattern") if isinstance(item, Mapping) else None
+        name = f"override '{pattern}'" if pattern else f"overrides[{loc[1]}]"
+        return f"{name} key '{_dotted(loc[2:])}'" if len(loc) > 2 else name
+    return f"recipe key '{_dotted(loc)}'"
+
+
+def _dotted(loc: Sequence[str | int]) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text

@@ -1,0 +1,346 @@
+"""Output side: sharded safetensors streamed one tensor at a time, model files copied, all-or-nothing folders.
+
+``ShardWriter`` computes every shard's header from the planned names, shapes and dtypes, so each
+tensor can be written at its final offset as soon as it is ready, in any order, and peak memory stays
+about one tensor. ``atomic_directory`` makes a whole output folder appear only when it is complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import os
+import secrets
+import shutil
+import struct
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specmerge.sources import SAFETENSORS_DTYPES, SAFETENSORS_FILE, SAFETENSORS_INDEX, TensorInfo
+
+_DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
+
+# Files of a Hugging Face folder that are not weights and that a merged model needs (top level only).
+MODEL_FILE_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "*.tiktoken",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "image_processor*.json",
+    "video_preprocessor*.json",
+    "chat_template.json",
+    "chat_template.jinja",
+    "*.py",
+)
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json")
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    """The safetensors dtype string (``"BF16"``, ``"F32"``, ...) for a torch dtype."""
+    try:
+        return _DTYPE_CODES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot be stored in safetensors; cast the tensor first") from None
+
+
+@dataclass(frozen=True)
+class _Slot:
+    info: TensorInfo
+    shard: int
+    offset: int  # absolute byte offset of the tensor's data in its file
+
+
+class ShardWriter:
+    """Streams tensors into sharded safetensors files whose headers are computed up front.
+
+    Tensors go to shards in the given order; a new shard starts when the next tensor would push the
+    current one past ``max_shard_bytes`` (a larger tensor gets a shard of its own). One shard is written
+    as ``model.safetensors``; several as ``model-00001-of-0000K.safetensors`` plus
+    ``model.safetensors.index.json``. Within a shard, tensors are laid out by decreasing element size
+    (stable), as safetensors itself does, so that every tensor's data is aligned to its element size.
+    Each file is created (header written, size reserved) at its first ``write`` and closed once full.
+    ``write`` is safe to call from several threads.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        tensors: Sequence[TensorInfo],
+        max_shard_bytes: int = 5 * 2**30,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise ValueError(f"output folder {self.directory} does not exist; create it first")
+        if max_shard_bytes <= 0:
+            raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        metadata = dict(metadata or {})
+        for key, value in metadata.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise ValueError(f"safetensors metadata must map strings to strings, got {key!r}: {value!r}")
+        self._metadata = {"format": "pt", **metadata}
+
+        shards = _plan_shards(tensors, max_shard_bytes)
+        count = len(shards)
+        self.files = [
+            self.directory / (SAFETENSORS_FILE if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors")
+            for i in range(count)
+        ]
+        self._index = self.directory / SAFETENSORS_INDEX if count > 1 else None
+        for path in [*self.files, *([self._index] if self._index else [])]:
+            if path.exists():
+                raise ValueError(f"{path} already exists; write into an empty folder")
+
+        self._slots: dict[str, _Slot] = {}
+        self._headers: list[bytes] = []
+        self._sizes: list[int] = []
+        for shard, infos in enumerate(shards):
+            header, offsets = self._header(infos)
+            self._headers.append(header)
+            self._sizes.append(len(header) + sum(info.nbytes for info in infos))
+            for info in infos:
+                self._slots[info.name] = _Slot(info, shard, offsets[info.name])
+        self._plan = [info.name for infos in shards for info in infos]
+        self._remaining = [len(infos) for infos in shards]
+        self._fds: dict[int, int] = {}
+        self._written: set[str] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def total_size(self) -> int:
+        """Bytes of tensor data in all shards (the index's ``total_size``)."""
+        return sum(slot.info.nbytes for slot in self._slots.values())
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write one planned tensor at its offset; shape and dtype must match the plan exactly."""
+        with self._lock:
+            if self._closed:
+                raise ValueError(f"cannot write tensor '{name}': the writer is closed")
+            slot = self._slots.get(name)
+            if slot is None:
+                raise ValueError(f"tensor '{name}' is not in the write plan ({len(self._slots)} planned tensors)")
+            if name in self._written:
+                raise ValueError(f"tensor '{name}' was already written")
+            expected = slot.info
+            if tuple(tensor.shape) != expected.shape or tensor.dtype != expected.dtype:
+                raise ValueError(
+                    f"tensor '{name}': expected shape {list(expected.shape)} {expected.dtype}, "
+                    f"got shape {list(tensor.shape)} {tensor.dtype}"
+                )
+            fd = self._fds.get(slot.shard)
+            if fd is None:
+                fd = self._fds[slot.shard] = self._create(slot.shard)
+            self._written.add(name)  # reserved; the bytes are written outside the lock
+        try:
+            if expected.nbytes:
+                _pwrite_all(fd, _tensor_bytes(tensor), slot.offset, self._lock)
+        except BaseException:
+            with self._lock:
+                self._written.discard(name)  # close() then reports it as never written
+            raise
+        with self._lock:
+            self._remaining[slot.shard] -= 1
+            if self._remaining[slot.shard] == 0:
+                self._finish(slot.shard)
+
+    def close(self) -> list[Path]:
+        """Check every planned tensor was written, write the index when sharded; return the files written."""
+        with self._lock:
+            if self._closed:
+                return list(self.files)
+            missing = [name for name in self._plan if name not in self._written]
+            if missing:
+                self._abort()
+                shown = ", ".join(f"'{n}'" for n in missing[:5]) + (", ..." if len(missing) > 5 else "")
+                raise ValueError(f"{len(missing)} planned tensor(s) were never written: {shown}")
+            if any(self._remaining):
+                raise ValueError("cannot close the writer while tensors are still being written")
+            for shard, remaining in enumerate(self._remaining):
+                if remaining == 0 and shard not in self._fds and not self.files[shard].exists():
+                    self._fds[shard] = self._create(shard)  # a shard without tensors (empty plan)
+                    self._finish(shard)
+            if self._index is not None:
+                weight_map = {name: self.files[self._slots[name].shard].name for name in self._plan}
+                index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
+                self._index.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+            self._closed = True
+            return [*self.files, *([self._index] if self._index else [])]
+
+    def abort(self) -> None:
+        """Close open files without checking; what was written stays (``atomic_directory`` removes it)."""
+        with self._lock:
+            self._abort()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def _header(self, infos: list[TensorInfo]) -> tuple[bytes, dict[str, int]]:
+        header: dict[str, object] = {"__metadata__": self._metadata}
+        start = 0
+        relative: dict[str, int] = {}
+        for info in sorted(infos, key=lambda i: -i.dtype.itemsize):  # stable: plan order within a dtype size
+            header[info.name] = {
+                "dtype": safetensors_dtype(info.dtype),
+                "shape": list(info.shape),
+                "data_offsets": [start, start + info.nbytes],
+            }
+            relative[info.name] = start
+            start += info.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
+        prefix = struct.pack("<Q", len(raw)) + raw
+        return prefix, {name: len(prefix) + offset for name, offset in relative.items()}
+
+    def _create(self, shard: int) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+        fd = os.open(self.files[shard], flags, 0o644)
+        try:
+            _pwrite_all(fd, memoryview(self._headers[shard]), 0, None)
+            os.ftruncate(fd, self._sizes[shard])
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _finish(self, shard: int) -> None:
+        fd = self._fds.pop(shard)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _abort(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._closed = True
+
+
+def _plan_shards(tensors: Sequence[TensorInfo], max_shard_bytes: int) -> list[list[TensorInfo]]:
+    shards: list[list[TensorInfo]] = [[]]
+    size = 0
+    seen: set[str] = set()
+    for info in tensors:
+        if info.name in seen:
+            raise ValueError(f"tensor '{info.name}' appears twice in the write plan")
+        seen.add(info.name)
+        safetensors_dtype(info.dtype)
+        if shards[-1] and size + info.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(info)
+        size += info.nbytes
+    return shards
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy when it is already contiguous on CPU (works for bf16 and fp8)."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int, lock: threading.Lock | None) -> None:
+    while data:
+        if hasattr(os, "pwrite"):
+            n = os.pwrite(fd, data, offset)
+        else:  # no positional write (Windows): seek and write under the writer's lock
+            with lock or threading.Lock():
+                os.lseek(fd, offset, os.SEEK_SET)
+                n = os.write(fd, data)
+        data = data[n:]
+        offset += n
+
+
+class OutputError(ValueError):
+    """The output location cannot be used."""
+
+
+class OutputExistsError(OutputError, FileExistsError):
+    """The output folder exists and overwriting was not asked for."""
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder beside ``target`` that becomes ``target`` only if the block succeeds.
+
+    On any exception the temporary folder is deleted and nothing is left behind. With ``overwrite``,
+    an existing target is moved aside and deleted only after the new folder is in place.
+    """
+    target = Path(target).expanduser()
+    parent = target.parent
+    if not parent.is_dir():
+        raise OutputError(f"cannot write {target}: its parent folder {parent} does not exist; create it first")
+    if target.exists() and not overwrite:
+        raise OutputExistsError(f"{target} already exists; pass --overwrite to replace it or choose another path")
+    temporary = parent / f".{target.name}.tmp-{secrets.token_hex(4)}"
+    temporary.mkdir()
+    try:
+        yield temporary
+        old = None
+        if target.exists():
+            if not overwrite:
+                raise OutputExistsError(f"{target} appeared while writing; choose another path or pass --overwrite")
+            old = parent / f".{target.name}.old-{secrets.token_hex(4)}"
+            target.rename(old)
+        try:
+            temporary.rename(target)
+        except BaseException:
+            if old is not None:
+                old.rename(target)
+            raise
+        if old is not None:
+            _remove(old)
+    except BaseException:
+        _remove(temporary)
+        raise
+
+
+def _remove(path: Path) -> None:
+    """Best-effort removal of a folder or file (never masks the error being handled)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+
+
+def copy_model_files(base_dir: str | os.PathLike, out_dir: str | os.PathLike) -> list[str]:
+    """Copy the non-weight files of a Hugging Face folder (config, tokenizer, processor, remote code); return names.
+
+    Only top-level files are copied; weights, indexes, README.md and subfolders are not. A single-file base
+    copies nothing.
+    """
+    base_dir, out_dir = Path(base_dir), Path(out_dir)
+    if not base_dir.is_dir():
+        return []
+    copied = []
+    for path in sorted(base_dir.iterdir()):
+        name = path.name
+        if not path.is_file() or any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS):
+            continue
+        if any(fnmatch.fnmatch(name, p) for p in MODEL_FILE_PATTERNS):
+            shutil.copyfile(path, out_dir / name)
+            copied.append(name)
+    return copied

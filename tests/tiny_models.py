@@ -1,0 +1,88 @@
+"""Tiny Hugging Face models with random weights, and "experts" made by perturbing them, saved to disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+
+def _configs() -> dict:
+    return {
+        "llama": (
+            transformers.LlamaConfig(
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=64,
+                max_position_embeddings=64,
+                tie_word_embeddings=False,
+            ),
+            transformers.LlamaForCausalLM,
+        ),
+        "bert": (
+            transformers.BertConfig(
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=48,
+                vocab_size=64,
+                max_position_embeddings=32,
+            ),
+            transformers.BertModel,
+        ),
+        "clip_vision": (
+            transformers.CLIPVisionConfig(
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                image_size=16,
+                patch_size=8,
+            ),
+            transformers.CLIPVisionModel,
+        ),
+    }
+
+
+ARCHITECTURES = tuple(_configs())
+
+
+def build_family(root: Path, arch: str, n_experts: int = 3, seed: int = 0) -> tuple[Path, list[Path]]:
+    """Save a random base model and ``n_experts`` fine-tuned-like copies (low-rank + small noise deltas)."""
+    config, cls = _configs()[arch]
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    base = root / f"{arch}-base"
+    model.save_pretrained(base)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    experts = []
+    for i in range(n_experts):
+        g = torch.Generator().manual_seed(seed * 100 + i + 1)
+        perturbed = {}
+        for name, value in state.items():
+            if not value.is_floating_point():
+                perturbed[name] = value
+                continue
+            scale = 0.05 * (float(value.std()) if value.numel() > 1 else 1.0) + 1e-3
+            delta = scale * torch.randn(value.shape, generator=g)
+            if value.dim() == 2:
+                rank = 2
+                low = torch.randn(value.shape[0], rank, generator=g) @ torch.randn(rank, value.shape[1], generator=g)
+                delta = delta * 0.2 + scale * low / rank
+            perturbed[name] = value + delta
+        model.load_state_dict(perturbed)
+        path = root / f"{arch}-expert{i}"
+        model.save_pretrained(path)
+        experts.append(path)
+    model.load_state_dict(state)
+    return base, experts
+
+
+def dummy_inputs(arch: str) -> dict:
+    if arch == "clip_vision":
+        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))}
+    return {"input_ids": torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))}
