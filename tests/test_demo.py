@@ -1,23 +1,43 @@
-"""The demo's synthetic problem and table."""
+"""The demo: tiny Llama experts built on disk, merged from disk, scored against the experts."""
 
+import pytest
+import torch
+
+import specmerge.demo as demo
 from specmerge.cli import main
-from specmerge.demo import interference, run_demo, synthetic_layer
 
 
-def test_interference_is_zero_for_each_expert_on_its_own_data_and_one_for_the_base():
-    layer = synthetic_layer(n_experts=3, d_out=8, d_in=12, subspace_dim=3, n_samples=16)
-    own = interference(layer.task_vectors[1], layer)
-    assert own[1] == 0 and own[0] > 0
-    assert interference(0 * layer.ideal, layer).tolist() == [1.0, 1.0, 1.0]
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo")
+    return demo.build_experts(root, n_experts=2)
 
 
-def test_demo_ranks_the_closed_form_family_ahead_of_task_arithmetic():
-    rows = {r["method"]: r for r in run_demo()}
-    assert rows["swudi_a"]["interference"] < rows["tsv_m"]["interference"] < rows["task_arithmetic"]["interference"]
-    assert rows["swudi"]["kept_rank"] == 84  # ceil(0.65 * 128)
+def test_score_is_zero_for_the_expert_and_one_for_the_base(family):
+    base, experts = family
+    tokens = [torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    base_logits = [demo._logits(base, t) for t in tokens]
+    expert_logits = [demo._logits(e, t) for e, t in zip(experts, tokens, strict=True)]
+    assert demo.score(base, base_logits, expert_logits, tokens) == [1.0, 1.0]
+    own = demo.score(experts[0], base_logits, expert_logits, tokens)
+    assert own[0] == 0.0 and own[1] > 0
 
 
-def test_demo_command_prints_a_table(capsys):
-    assert main(["demo"]) == 0
+def test_experts_change_linear_weights_in_their_own_subspaces(family):
+    from safetensors.torch import load_file
+
+    base, experts = family
+    w0 = load_file(base / "model.safetensors")["model.layers.0.mlp.up_proj.weight"]
+    w1 = load_file(experts[0] / "model.safetensors")["model.layers.0.mlp.up_proj.weight"]
+    s = torch.linalg.svdvals((w1 - w0).double())
+    d_in = w0.shape[1]
+    # a rank d_in / 8 update plus 5 % noise: the first d_in / 8 singular values carry most of the energy
+    assert (s[: d_in // 8] ** 2).sum() / (s**2).sum() > 0.95
+
+
+def test_demo_table_and_command(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(demo, "METHODS", ["task_arithmetic", "swudi_a"])
+    assert main(["demo", "--workdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "swudi_a" in out and "interference" in out
+    assert "swudi_a" in out and "task_arithmetic" in out and "logit error" in out
+    assert (tmp_path / "merged-swudi_a" / "report.json").exists()

@@ -30,7 +30,7 @@ def _methods_command(args: argparse.Namespace) -> int:
 def _demo_command(args: argparse.Namespace) -> int:
     from specmerge.demo import main as demo_main
 
-    demo_main(seed=args.seed)
+    demo_main(seed=args.seed, workdir=args.workdir)
     return 0
 
 
@@ -104,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", help="recipe file (see README)")
     _add_output_arguments(p)
     p.set_defaults(run=_run_command)
-    p = sub.add_parser("demo", help="merge a synthetic layer with every method and print a table")
+    p = sub.add_parser("demo", help="build a tiny model and 4 experts, merge them with several methods, print a table")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", help="keep the demo's models and merges in this folder (default: a temporary one)")
     p.set_defaults(run=_demo_command)
     return parser
 

@@ -216,8 +216,8 @@ def wudi_reference(
         tau_init: starting point: sum (WUDI) or mean of the task vectors, or zero.
         scale: s in merged = W_0 + s * tau (the original WUDI has no scale: 1.0).
     """
-    with _autograd_enabled():  # the experts are saved for backward: no inference tensors
-        experts, norms_sq = nonzero_experts(task_vectors)
+    with _autograd_enabled():  # the experts are saved for backward: copies, never inference tensors
+        experts, norms_sq = (t.clone() for t in nonzero_experts(task_vectors))
     loss = functools.partial(proxy_loss, targets=experts, proxies=experts, norms_sq=norms_sq)
     return _iterate(
         task_vectors,

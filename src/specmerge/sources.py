@@ -8,12 +8,14 @@ tensor per ``load(name)``, so peak memory stays about one tensor whatever the mo
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import math
 import os
 import pickle
 import re
+import struct
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -84,8 +86,8 @@ class TensorSource(Protocol):
         """All tensors, in checkpoint order, known without reading tensor data."""
         ...
 
-    def load(self, name: str) -> torch.Tensor:
-        """One tensor, on CPU, in its stored dtype."""
+    def load(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """One tensor, on CPU, in its stored dtype; ``rows=(start, stop)`` reads only those rows (dim 0)."""
         ...
 
     def describe(self) -> str:
@@ -127,14 +129,18 @@ class _ShardedSource:
                 self._infos, self._where = self._collect_infos()
             return dict(self._infos)
 
-    def load(self, name: str) -> torch.Tensor:
+    def load(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         self.infos()
         file = self._where.get(name)
         if file is None:
             close = difflib.get_close_matches(name, list(self._where), n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise SourceError(f"{self.describe()}: no tensor named '{name}'; {hint}({len(self._where)} tensors)")
-        return self._read(file, self._handle(file), name)
+        if rows is not None:
+            shape = self._infos[name].shape
+            if not shape or not 0 <= rows[0] <= rows[1] <= shape[0]:
+                raise SourceError(f"{file}: rows {rows} out of range for tensor '{name}' of shape {shape}")
+        return self._read(file, self._handle(file), name, rows)
 
     def close(self) -> None:
         with self._lock:
@@ -179,8 +185,22 @@ class _ShardedSource:
     def _file_infos(self, file: Path, handle: Any) -> Iterator[TensorInfo]:
         raise NotImplementedError
 
-    def _read(self, file: Path, handle: Any, name: str) -> torch.Tensor:
+    def _read(self, file: Path, handle: Any, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
         raise NotImplementedError
+
+
+@dataclass
+class _SafetensorsFile:
+    """An open safetensors file: safe_open for the validated header, a plain descriptor for reading data."""
+
+    handle: Any
+    fd: int
+    data_start: int
+    offsets: dict[str, tuple[int, int]]
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
 
 
 class SafetensorsSource(_ShardedSource):
@@ -188,9 +208,14 @@ class SafetensorsSource(_ShardedSource):
 
     kind = "safetensors"
 
-    def _open(self, file: Path) -> Any:
+    def _open(self, file: Path) -> _SafetensorsFile:
         try:
-            return safe_open(str(file), framework="pt")
+            handle = safe_open(str(file), framework="pt")  # validates the header
+            fd = os.open(file, os.O_RDONLY)
+            (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+            header = json.loads(os.pread(fd, length, 8))
+            offsets = {k: tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"}
+            return _SafetensorsFile(handle, fd, 8 + length, offsets)
         except SafetensorError as err:
             raise SourceError(
                 f"{file}: not a valid safetensors file ({err}); the file may be truncated or corrupt, re-download it"
@@ -198,9 +223,9 @@ class SafetensorsSource(_ShardedSource):
         except OSError as err:
             raise SourceError(f"{file}: cannot be opened ({err.strerror or err})") from None
 
-    def _file_infos(self, file: Path, handle: Any) -> Iterator[TensorInfo]:
-        for name in handle.offset_keys():  # stored order, not alphabetical
-            piece = handle.get_slice(name)
+    def _file_infos(self, file: Path, handle: _SafetensorsFile) -> Iterator[TensorInfo]:
+        for name in handle.handle.offset_keys():  # stored order, not alphabetical
+            piece = handle.handle.get_slice(name)
             code = piece.get_dtype()
             dtype = SAFETENSORS_DTYPES.get(code)
             if dtype is None:
@@ -210,11 +235,24 @@ class SafetensorsSource(_ShardedSource):
                 )
             yield TensorInfo(name, tuple(piece.get_shape()), dtype)
 
-    def _read(self, file: Path, handle: Any, name: str) -> torch.Tensor:
-        try:
-            return handle.get_tensor(name)
-        except SafetensorError as err:
-            raise SourceError(f"{file}: cannot read tensor '{name}' ({err})") from None
+    def _read(self, file: Path, handle: _SafetensorsFile, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
+        # Plain reads into a fresh buffer, no memory map: the process holds exactly the bytes asked for,
+        # and checkpoint pages never accumulate in its resident set (they stay in the page cache).
+        info = self._infos[name]
+        start, stop = handle.offsets[name]
+        shape = list(info.shape)
+        if rows is not None:
+            row_bytes = info.nbytes // shape[0] if shape[0] else 0
+            start, stop = start + rows[0] * row_bytes, start + rows[1] * row_bytes
+            shape[0] = rows[1] - rows[0]
+        buffer = torch.empty(stop - start, dtype=torch.uint8)
+        view, done = memoryview(buffer.numpy()), 0
+        while done < len(view):
+            got = os.preadv(handle.fd, [view[done:]], handle.data_start + start + done)
+            if got <= 0:
+                raise SourceError(f"{file}: truncated while reading tensor '{name}'; re-download the checkpoint")
+            done += got
+        return buffer.view(info.dtype).reshape(shape)
 
 
 class TorchSource(_ShardedSource):
@@ -258,9 +296,12 @@ class TorchSource(_ShardedSource):
         for name, tensor in handle.items():
             yield TensorInfo(name, tuple(tensor.shape), tensor.dtype)
 
-    def _read(self, file: Path, handle: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    def _read(
+        self, file: Path, handle: dict[str, torch.Tensor], name: str, rows: tuple[int, int] | None
+    ) -> torch.Tensor:
         # A private copy: the stored tensor is memory-mapped and may share storage with others (tied weights).
-        return handle[name].clone(memory_format=torch.contiguous_format)
+        tensor = handle[name] if rows is None else handle[name][rows[0] : rows[1]]
+        return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def _unpickling_reason(err: Exception) -> str:

@@ -28,9 +28,15 @@ PAPER_CITATION = "Closed-Form Spectral Merging (SWUDI / SWUDI-A), specmerge pape
 
 
 def nonzero_experts(task_vectors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The experts whose delta is not all zero, and their squared Frobenius norms n_i."""
-    norms_sq = task_vectors.flatten(1).pow(2).sum(dim=1)
+    """The experts whose delta is not all zero, and their squared Frobenius norms n_i.
+
+    Returns the input itself (no copy) when every expert is non-zero.
+    """
+    flat = task_vectors.reshape(task_vectors.shape[0], -1)
+    norms_sq = torch.stack([torch.dot(row, row) for row in flat]) if len(flat) else flat.new_zeros(0)
     keep = norms_sq > 0
+    if bool(keep.all()):
+        return task_vectors, norms_sq
     return task_vectors[keep], norms_sq[keep]
 
 
@@ -75,11 +81,15 @@ class NormalEquation:
 
     @functools.cached_property
     def C(self) -> torch.Tensor:
-        return self.M.T @ self.M
+        # sum_i tau_i^T tau_i / n_i, one expert at a time: no (N d_out) x d_in copy of the stack
+        C = self.tau.new_zeros(self.d_in, self.d_in)
+        for tau_i, n_i in zip(self.tau, self.norms_sq, strict=True):
+            C.addmm_(tau_i.T, tau_i, alpha=1 / float(n_i))
+        return C
 
     def times_C(self, X: torch.Tensor) -> torch.Tensor:
         """X C, through whichever of C (d_in^2 per row of X) or M (2 N d_out d_in) is cheaper."""
-        if 2 * self.M.shape[0] < self.d_in and "C" not in self.__dict__:
+        if 2 * self.n_experts * self.d_out < self.d_in and "C" not in self.__dict__:
             return (X @ self.M.T) @ self.M
         return X @ self.C
 
@@ -145,11 +155,11 @@ def decompose(eq: NormalEquation) -> Spectrum:
 
     Eigenvalues at or below d_in * eps * lambda_1 are treated as zero.
     """
-    M = eq.M
-    n_rows, n_cols = M.shape
-    eps = torch.finfo(M.dtype).eps
+    n_rows, n_cols = eq.n_experts * eq.d_out, eq.d_in
+    eps = torch.finfo(eq.D.dtype).eps
     if n_rows < n_cols:
         # C and M M^T share their non-zero eigenvalues; q_k = M^T u_k / sigma_k.
+        M = eq.M
         lam, U = torch.linalg.eigh(M @ M.T)
         lam, U = lam.flip(0), U.flip(1)
         tol = n_cols * eps * float(lam[0].clamp(min=0))

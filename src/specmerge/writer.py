@@ -119,6 +119,7 @@ class ShardWriter:
         self._remaining = [len(infos) for infos in shards]
         self._fds: dict[int, int] = {}
         self._written: set[str] = set()
+        self._partial: dict[str, int] = {}  # bytes written so far of tensors written in row blocks
         self._lock = threading.Lock()
         self._closed = False
 
@@ -127,8 +128,12 @@ class ShardWriter:
         """Bytes of tensor data in all shards (the index's ``total_size``)."""
         return sum(slot.info.nbytes for slot in self._slots.values())
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write one planned tensor at its offset; shape and dtype must match the plan exactly."""
+    def write(self, name: str, tensor: torch.Tensor, *, row_start: int | None = None) -> None:
+        """Write one planned tensor at its offset; shape and dtype must match the plan exactly.
+
+        With ``row_start`` the tensor is a block of rows (dim 0) of the planned tensor, written at
+        its place; the tensor counts as written once all its bytes are in. Blocks must not overlap.
+        """
         with self._lock:
             if self._closed:
                 raise ValueError(f"cannot write tensor '{name}': the writer is closed")
@@ -138,26 +143,44 @@ class ShardWriter:
             if name in self._written:
                 raise ValueError(f"tensor '{name}' was already written")
             expected = slot.info
-            if tuple(tensor.shape) != expected.shape or tensor.dtype != expected.dtype:
-                raise ValueError(
-                    f"tensor '{name}': expected shape {list(expected.shape)} {expected.dtype}, "
-                    f"got shape {list(tensor.shape)} {tensor.dtype}"
-                )
+            offset, complete = slot.offset, True
+            if row_start is None:
+                if tuple(tensor.shape) != expected.shape or tensor.dtype != expected.dtype:
+                    raise ValueError(
+                        f"tensor '{name}': expected shape {list(expected.shape)} {expected.dtype}, "
+                        f"got shape {list(tensor.shape)} {tensor.dtype}"
+                    )
+            else:
+                rows = tensor.shape[0] if tensor.dim() else -1
+                if (
+                    tensor.dtype != expected.dtype
+                    or tuple(tensor.shape[1:]) != expected.shape[1:]
+                    or not 0 <= row_start <= row_start + rows <= (expected.shape[0] if expected.shape else -1)
+                ):
+                    raise ValueError(
+                        f"tensor '{name}': rows from {row_start} of shape {list(tensor.shape)} {tensor.dtype} do not "
+                        f"fit the planned shape {list(expected.shape)} {expected.dtype}"
+                    )
+                offset += row_start * (expected.nbytes // expected.shape[0])
+                self._partial[name] = self._partial.get(name, 0) + tensor.numel() * tensor.dtype.itemsize
+                complete = self._partial[name] >= expected.nbytes
             fd = self._fds.get(slot.shard)
             if fd is None:
                 fd = self._fds[slot.shard] = self._create(slot.shard)
-            self._written.add(name)  # reserved; the bytes are written outside the lock
+            if complete:
+                self._written.add(name)  # reserved; the bytes are written outside the lock
         try:
-            if expected.nbytes:
-                _pwrite_all(fd, _tensor_bytes(tensor), slot.offset, self._lock)
+            if tensor.numel():
+                _pwrite_all(fd, _tensor_bytes(tensor), offset, self._lock)
         except BaseException:
             with self._lock:
                 self._written.discard(name)  # close() then reports it as never written
             raise
-        with self._lock:
-            self._remaining[slot.shard] -= 1
-            if self._remaining[slot.shard] == 0:
-                self._finish(slot.shard)
+        if complete:
+            with self._lock:
+                self._remaining[slot.shard] -= 1
+                if self._remaining[slot.shard] == 0:
+                    self._finish(slot.shard)
 
     def close(self) -> list[Path]:
         """Check every planned tensor was written, write the index when sharded; return the files written."""
