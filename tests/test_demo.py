@@ -14,7 +14,7 @@ def family(tmp_path_factory):
 
 
 def test_score_is_zero_for_the_expert_and_one_for_the_base(family):
-    base, experts = family
+    base, experts, _subspaces = family
     tokens = [torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     base_logits = [demo._logits(base, t) for t in tokens]
     expert_logits = [demo._logits(e, t) for e, t in zip(experts, tokens, strict=True)]
@@ -26,7 +26,7 @@ def test_score_is_zero_for_the_expert_and_one_for_the_base(family):
 def test_experts_change_linear_weights_in_their_own_subspaces(family):
     from safetensors.torch import load_file
 
-    base, experts = family
+    base, experts, _subspaces = family
     w0 = load_file(base / "model.safetensors")["model.layers.0.mlp.up_proj.weight"]
     w1 = load_file(experts[0] / "model.safetensors")["model.layers.0.mlp.up_proj.weight"]
     s = torch.linalg.svdvals((w1 - w0).double())
@@ -39,5 +39,19 @@ def test_demo_table_and_command(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(demo, "METHODS", ["task_arithmetic", "swudi_a"])
     assert main(["demo", "--workdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "swudi_a" in out and "task_arithmetic" in out and "logit error" in out
+    assert "swudi_a" in out and "task_arithmetic" in out and "own-input interference" in out
     assert (tmp_path / "merged-swudi_a" / "report.json").exists()
+
+
+def test_subspace_interference_is_zero_for_the_expert_and_one_for_the_base(family):
+    base, experts, subspaces = family
+    base_w, expert_w = demo._weights(base), [demo._weights(e) for e in experts]
+    assert demo.subspace_interference(base, base_w, expert_w, subspaces) == [1.0, 1.0]
+    own = demo.subspace_interference(experts[1], base_w, expert_w, subspaces)
+    assert own[1] == 0.0 and own[0] > 0
+
+
+def test_closed_form_family_beats_task_arithmetic_on_own_inputs(tmp_path):
+    rows = {r["method"]: r for r in demo.run_demo(tmp_path, methods=["task_arithmetic", "swudi_a", "closed_form"])}
+    assert rows["closed_form"]["interference"] < rows["task_arithmetic"]["interference"]
+    assert rows["swudi_a"]["interference"] < rows["task_arithmetic"]["interference"]

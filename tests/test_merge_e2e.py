@@ -183,3 +183,22 @@ def test_sources_read_row_blocks(families):
         full = source.load(name)
         torch.testing.assert_close(source.load(name, (3, 10)), full[3:10], rtol=0, atol=0)
         assert source.load(name, (5, 5)).shape == (0, full.shape[1])
+
+
+def test_tied_weights_stay_tied(tmp_path):
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path / "base")
+    for i in range(2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        model.save_pretrained(tmp_path / f"e{i}")
+    merge(tmp_path / "base", [tmp_path / "e0", tmp_path / "e1"], tmp_path / "out", progress=False)
+    assert "lm_head.weight" not in load_weights(tmp_path / "out")  # stored once, as in the base
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert merged.lm_head.weight.data_ptr() == merged.model.embed_tokens.weight.data_ptr()

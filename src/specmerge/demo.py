@@ -2,12 +2,15 @@
 
 Everything runs on the CPU in well under a minute and needs only the ``transformers`` extra. Expert
 i was "fine-tuned" on its own input subspace S_i of every linear layer: its update to a weight W is
-G_i S_i^T (rank d_in / 8) plus 5 % noise, the picture behind the WUDI proxy (paper Sec. 3.1). A
-merge is scored by how closely it reproduces each expert's logits on random token sequences:
+G_i S_i^T (rank d_in / 8) plus 5 % noise, the picture behind the WUDI proxy (paper Sec. 3.1). Two
+scores, each 0 for the expert itself and 1 for the base model, averaged over the four experts:
 
-    error_i = ||logits(merged) - logits(expert_i)||^2 / ||logits(base) - logits(expert_i)||^2
-
-(0 = the expert itself, 1 = no better than the base model), mean and worst over the experts.
+- interference on the expert's own inputs, the quantity WUDI and SWUDI minimise, read from the
+  merged files: sum over linear layers of ||(W_merged - W_i) S_i||^2 / ||(W_0 - W_i) S_i||^2;
+- logit error on random token sequences, which also probes directions no expert was trained on:
+  ||logits(merged) - logits(expert_i)||^2 / ||logits(base) - logits(expert_i)||^2. There the
+  spectral methods keep their start tau_init = sum of the task vectors (like task arithmetic with
+  lambda = 1), which is why the paper tunes the final scale s.
 """
 
 from __future__ import annotations
@@ -36,31 +39,52 @@ def tiny_llama_config():
     )
 
 
-def build_experts(root: Path, n_experts: int = 4, seed: int = 0) -> tuple[Path, list[Path]]:
-    """Save a random tiny Llama to ``root/base`` and ``n_experts`` subspace-fine-tuned copies to ``root/expert<i>``."""
+def build_experts(root: Path, n_experts: int = 4, seed: int = 0) -> tuple[Path, list[Path], list[dict]]:
+    """Save a random tiny Llama to ``root/base`` and ``n_experts`` subspace-fine-tuned copies to ``root/expert<i>``.
+
+    Also returns, per expert, the orthonormal basis of S_i of every linear weight it was tuned on.
+    """
     import transformers
 
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(tiny_llama_config()).eval()
     model.save_pretrained(root / "base")
     base = {k: v.clone() for k, v in model.state_dict().items()}
-    experts = []
+    experts, subspaces = [], []
     for i in range(n_experts):
         g = torch.Generator().manual_seed(seed * 1000 + i + 1)
-        state = {}
+        state, bases = {}, {}
         for name, weight in base.items():
             size = 0.3 * float(weight.std()) if weight.numel() > 1 and float(weight.std()) > 0 else 0.02
             noise = 0.05 * size * torch.randn(weight.shape, generator=g)
             if weight.dim() == 2 and "embed" not in name:
                 d_out, d_in = weight.shape
-                basis = torch.linalg.qr(torch.randn(d_in, d_in // 8, generator=g)).Q
+                basis = bases[name] = torch.linalg.qr(torch.randn(d_in, d_in // 8, generator=g)).Q
                 update = torch.randn(d_out, d_in // 8, generator=g) @ basis.T
                 noise += size * update / update.std()
             state[name] = weight + noise
         model.load_state_dict(state)
         experts.append(root / f"expert{i}")
+        subspaces.append(bases)
         model.save_pretrained(experts[-1])
-    return root / "base", experts
+    return root / "base", experts, subspaces
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v.double() for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def subspace_interference(merged: Path, base: dict, experts: list[dict], subspaces: list[dict]) -> list[float]:
+    """Per expert: sum over its linear layers of ||(W_m - W_i) S_i||^2 / ||(W_0 - W_i) S_i||^2 (base = 1)."""
+    weights = _weights(merged)
+    errors = []
+    for expert, bases in zip(experts, subspaces, strict=True):
+        num = sum(float(((weights[n] - expert[n]) @ S.double()).pow(2).sum()) for n, S in bases.items())
+        den = sum(float(((base[n] - expert[n]) @ S.double()).pow(2).sum()) for n, S in bases.items())
+        errors.append(num / den)
+    return errors
 
 
 def _logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
@@ -85,7 +109,8 @@ def run_demo(workdir: Path, methods: list[str] | None = None, seed: int = 0) -> 
     from specmerge.api import merge
 
     methods = METHODS if methods is None else methods
-    base, experts = build_experts(workdir, seed=seed)
+    base, experts, subspaces = build_experts(workdir, seed=seed)
+    base_w, expert_w = _weights(base), [_weights(e) for e in experts]
     g = torch.Generator().manual_seed(seed)
     tokens = [torch.randint(0, 256, (8, 16), generator=g) for _ in experts]
     base_logits = [_logits(base, t) for t in tokens]
@@ -97,13 +122,15 @@ def run_demo(workdir: Path, methods: list[str] | None = None, seed: int = 0) -> 
         report = merge(base, experts, out, method=method, progress=False)
         seconds = time.perf_counter() - start
         errors = score(out, base_logits, expert_logits, tokens)
+        interference = subspace_interference(out, base_w, expert_w, subspaces)
         kept = [t["diagnostics"].get("kept_rank") for t in report["tensors"] if t["action"] == "merge"]
         kept = [k for k in kept if k is not None]
         rows.append(
             {
                 "method": method,
-                "error": sum(errors) / len(errors),
-                "worst": max(errors),
+                "interference": sum(interference) / len(interference),
+                "worst": max(interference),
+                "logit_error": sum(errors) / len(errors),
                 "mean_kept_rank": sum(kept) / len(kept) if kept else None,
                 "seconds": seconds,
             }
@@ -112,22 +139,31 @@ def run_demo(workdir: Path, methods: list[str] | None = None, seed: int = 0) -> 
 
 
 def format_table(rows: list[dict]) -> str:
-    header = f"{'method':<16} {'logit error':>11} {'worst':>7} {'mean K':>7} {'merge s':>8}"
+    names = ("method", "own-input interference", "worst", "random-token logits", "mean K", "merge s")
+    header = f"{names[0]:<16} {names[1]:>22} {names[2]:>7} {names[3]:>19} {names[4]:>7} {names[5]:>8}"
     lines = [header, "-" * len(header)]
-    for row in sorted(rows, key=lambda r: r["error"]):
+    for row in sorted(rows, key=lambda r: r["interference"]):
         kept = "" if row["mean_kept_rank"] is None else f"{row['mean_kept_rank']:.1f}"
-        lines.append(f"{row['method']:<16} {row['error']:>11.4f} {row['worst']:>7.4f} {kept:>7} {row['seconds']:>8.2f}")
+        lines.append(
+            f"{row['method']:<16} {row['interference']:>22.4f} {row['worst']:>7.4f} {row['logit_error']:>19.4f} "
+            f"{kept:>7} {row['seconds']:>8.2f}"
+        )
     return "\n".join(lines)
 
 
 def main(seed: int = 0, workdir: str | None = None) -> None:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # one table, not 40 "Loading weights" bars
     with tempfile.TemporaryDirectory(prefix="specmerge-demo-") as tmp:
         root = Path(workdir) if workdir else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         print(
-            f"specmerge demo: a tiny Llama and 4 experts written to {root}, merged from disk with "
-            f"{len(METHODS)} methods.\nlogit error = ||merged - expert_i||^2 / ||base - expert_i||^2 on each "
-            "expert's inputs, mean and worst over experts (0 = expert itself, 1 = base model).\n"
+            f"specmerge demo: a tiny Llama and 4 experts written to {root}, merged from disk with {len(METHODS)} "
+            "methods.\nScores (0 = the expert itself, 1 = the base model; mean, and worst, over the experts):\n"
+            "  own-input interference = sum over linear layers of ||(W_merged - W_i) S_i||^2 / ||(W_0 - W_i) S_i||^2,\n"
+            "    S_i the inputs expert i was tuned on (what WUDI and SWUDI minimise);\n"
+            "  random-token logits = ||logits_merged - logits_i||^2 / ||logits_0 - logits_i||^2 on random tokens.\n"
         )
         rows = run_demo(root, seed=seed)
         print(format_table(rows))
