@@ -202,3 +202,13 @@ def test_tied_weights_stay_tied(tmp_path):
     assert "lm_head.weight" not in load_weights(tmp_path / "out")  # stored once, as in the base
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert merged.lm_head.weight.data_ptr() == merged.model.embed_tokens.weight.data_ptr()
+
+
+def test_device_resolution():
+    from specmerge.executor import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device; use --device cpu or auto"):
+            resolve_device("cuda")
