@@ -3,8 +3,9 @@
 A method is a pure function ``fn(task_vectors, *, <params>) -> LayerResult`` where
 ``task_vectors`` is the ``N x ...`` stack of expert deltas for one tensor. Parameters are the
 keyword-only arguments of ``fn``; their types, defaults and help text are read from the signature
-and the ``Args:`` section of the docstring. Two keyword names are reserved for context the caller
-supplies rather than the user: ``tensor_name`` and ``expert_keys`` (used by seeded methods).
+and the ``Args:`` section of the docstring. Three keyword names are reserved for context the caller
+supplies rather than the user: ``tensor_name`` and ``expert_keys`` (used by seeded methods) and
+``full_shape`` (methods that can merge small cores of low-rank experts exactly, see ``specmerge.lora``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ NonNegative = Annotated[float, Field(ge=0)]
 Positive = Annotated[float, Field(gt=0)]
 Count = Annotated[int, Field(ge=0)]
 
-CONTEXT_KEYWORDS = frozenset({"tensor_name", "expert_keys"})
+CONTEXT_KEYWORDS = frozenset({"tensor_name", "expert_keys", "full_shape"})
 BUILTIN_MODULES = ("specmerge.spectral", "specmerge.baselines", "specmerge.iterative")
 
 
@@ -105,6 +106,7 @@ class Method:
         dtype: torch.dtype | None = None,
         tensor_name: str = "",
         expert_keys: Sequence[str] | None = None,
+        full_shape: tuple[int, int] | None = None,
         **params: Any,
     ) -> LayerResult:
         """Validate ``params`` and run the method on one stack of task vectors.
@@ -121,6 +123,10 @@ class Method:
             values["tensor_name"] = tensor_name
         if "expert_keys" in self.context:
             values["expert_keys"] = expert_keys
+        if full_shape is not None:
+            if "full_shape" not in self.context:
+                raise ValueError(f"method '{self.name}' cannot merge factored (low-rank) experts; densify them first")
+            values["full_shape"] = full_shape
         return self.fn(compute_dtype(task_vectors, dtype), **values)
 
 

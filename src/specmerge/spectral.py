@@ -150,13 +150,18 @@ class Spectrum:
         return self.eigenvectors.shape[1]
 
 
-def decompose(eq: NormalEquation) -> Spectrum:
+def decompose(eq: NormalEquation, full_shape: tuple[int, int] | None = None) -> Spectrum:
     """Symmetric eigendecomposition of C, through the smaller of C (d_in^2) and M M^T ((N d_out)^2).
 
-    Eigenvalues at or below d_in * eps * lambda_1 are treated as zero.
+    Eigenvalues at or below d_in * eps * lambda_1 are treated as zero. ``full_shape`` = (d_out, d_in)
+    of the real layer when ``eq`` holds small cores T_i with tau_i = P T_i R^T (P, R orthonormal, e.g.
+    LoRA experts): C then has the same non-zero eigenvalues, padded here with the zeros the real
+    min(N d_out, d_in) spectrum has, and d_in, N d_out are the real ones for rank rules and the tolerance.
     """
     n_rows, n_cols = eq.n_experts * eq.d_out, eq.d_in
     eps = torch.finfo(eq.D.dtype).eps
+    if full_shape is not None:
+        return _embed(decompose(eq), eq.n_experts * full_shape[0], full_shape[1], eps)
     if n_rows < n_cols:
         # C and M M^T share their non-zero eigenvalues; q_k = M^T u_k / sigma_k.
         M = eq.M
@@ -174,6 +179,17 @@ def decompose(eq: NormalEquation) -> Spectrum:
         rank = int((lam > 0).sum())
         Q = Q[:, :rank]
     return Spectrum(lam, Q, n_rows, n_cols, tol)
+
+
+def _embed(core: Spectrum, n_rows: int, n_cols: int, eps: float) -> Spectrum:
+    """The spectrum of the real layer from that of its core: zeros appended, tolerance of the real d_in."""
+    lam = core.eigenvalues
+    tol = n_cols * eps * float(lam[0].clamp(min=0)) if lam.numel() else 0.0
+    lam = torch.where(lam > tol, lam, torch.zeros_like(lam))
+    size = min(n_rows, n_cols)
+    padded = torch.cat([lam, lam.new_zeros(max(0, size - lam.numel()))])
+    rank = int((lam > 0).sum())
+    return Spectrum(padded, core.eigenvectors[:, :rank], n_rows, n_cols, tol)
 
 
 def filtered_solve(
@@ -212,17 +228,19 @@ def spectral_merge(
     make_filter: Callable[[Spectrum], tuple[Filter, int | None]],
     tau_init: TauInit,
     scale: float,
+    full_shape: tuple[int, int] | None = None,
 ) -> LayerResult:
     """The one code path of every closed-form spectral method.
 
     ``make_filter(spectrum) -> (Filter, kept_rank or None)`` lets a rank rule look at the spectrum.
-    Returns ``scale * tau_hat`` with the spectrum's diagnostics.
+    Returns ``scale * tau_hat`` with the spectrum's diagnostics. With ``full_shape`` the task vectors
+    are cores of larger layers (see :func:`decompose`), and so is the result.
     """
     start = initial_point(task_vectors, tau_init)
     eq = normal_equation(task_vectors)
     if eq.n_experts == 0:
         return LayerResult(torch.zeros_like(task_vectors[0]), {"n_experts": 0, "kept_rank": 0})
-    spectrum = decompose(eq)
+    spectrum = decompose(eq, full_shape)
     filt, kept = make_filter(spectrum)
     gains = filt(spectrum.eigenvalues)
     tau_hat = filtered_solve(eq, spectrum, gains, start)
@@ -255,6 +273,7 @@ def swudi(
     t: NonNegative = 1300.0,
     tau_init: TauInit = "sum",
     scale: float = 1.0,
+    full_shape: tuple[int, int] | None = None,
 ) -> LayerResult:
     """SWUDI: top-ceil(r d_in) truncation times the exponential filter 1 - exp(-t lambda) (paper Eq. 11).
 
@@ -269,7 +288,7 @@ def swudi(
         k = rank_rules.fixed_ratio_rank(rank_ratio, spectrum.n_cols)
         return TopK(k) * Exponential(t), k
 
-    return spectral_merge(task_vectors, make_filter, tau_init, scale)
+    return spectral_merge(task_vectors, make_filter, tau_init, scale, full_shape)
 
 
 @register("swudi_a", citation=PAPER_CITATION)
@@ -279,6 +298,7 @@ def swudi_a(
     rule: RankRule = "psqrt",
     tau_init: TauInit = "sum",
     scale: float = 1.0,
+    full_shape: tuple[int, int] | None = None,
 ) -> LayerResult:
     """SWUDI-A: hard top-K truncation with K chosen per layer by a rank rule (paper Sec. 4.2).
 
@@ -292,20 +312,26 @@ def swudi_a(
         k = choose_rank(rule, spectrum)
         return TopK(k), k
 
-    result = spectral_merge(task_vectors, make_filter, tau_init, scale)
+    result = spectral_merge(task_vectors, make_filter, tau_init, scale, full_shape)
     result.diagnostics["rule"] = rule
     return result
 
 
 @register("closed_form", citation=PAPER_CITATION)
-def closed_form(task_vectors: torch.Tensor, *, tau_init: TauInit = "zero", scale: float = 1.0) -> LayerResult:
+def closed_form(
+    task_vectors: torch.Tensor,
+    *,
+    tau_init: TauInit = "zero",
+    scale: float = 1.0,
+    full_shape: tuple[int, int] | None = None,
+) -> LayerResult:
     """Exact minimiser of the WUDI loss: D C^+ (paper Eq. 6), or tau_init + (D - tau_init C) C^+.
 
     Args:
         tau_init: zero gives the minimum-norm solution D C^+; sum or mean keep that start on the null space of C.
         scale: s in merged = W_0 + s * tau_hat.
     """
-    return spectral_merge(task_vectors, lambda s: (PseudoInverse(), None), tau_init, scale)
+    return spectral_merge(task_vectors, lambda s: (PseudoInverse(), None), tau_init, scale, full_shape)
 
 
 @register("spectral_filter", citation=PAPER_CITATION)
@@ -321,6 +347,7 @@ def spectral_filter(
     rank_ratio: UnitInterval = 1.0,
     tau_init: TauInit = "sum",
     scale: float = 1.0,
+    full_shape: tuple[int, int] | None = None,
 ) -> LayerResult:
     """Any member of the filter family, optionally times a top-K mask, for studies and sweeps.
 
@@ -349,4 +376,4 @@ def spectral_filter(
         k = rank_rules.fixed_ratio_rank(rank_ratio, spectrum.n_cols) if rank == "ratio" else choose_rank(rank, spectrum)
         return TopK(k) * soft, k
 
-    return spectral_merge(task_vectors, make_filter, tau_init, scale)
+    return spectral_merge(task_vectors, make_filter, tau_init, scale, full_shape)

@@ -1,0 +1,90 @@
+"""LoRA experts merged in factored form, exactly, without forming d_in x d_in matrices.
+
+For LoRA experts tau_i = s_i B_i A_i (B_i: d_out x r_i, A_i: r_i x d_in) every task vector lives in
+span(B) x span(A): with orthonormal bases P of the stacked B columns and R of the stacked A rows,
+tau_i = P T_i R^T with a small core T_i = s_i (P^T B_i)(A_i R) of size at most (sum r_i)^2. Every
+quantity of the WUDI normal equation maps through the bases: C = R C_T R^T, D = P D_T R^T,
+tau_init = P T_init R^T, and C has the eigenvalues of C_T plus zeros (DESIGN.md, "LoRA experts
+without densifying"). So a spectral method run on the cores, told the real layer shape (for
+r * d_in, the Gavish-Donoho beta and median, and the zero-eigenvalue tolerance), returns the core
+of exactly the dense result: tau_hat = P T_hat R^T, a factorisation of rank at most sum r_i.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specmerge.registry import compute_dtype, get_method
+
+
+@dataclass(frozen=True)
+class LoraDelta:
+    """A low-rank delta scale * B @ A (B: d_out x r, A: r x d_in)."""
+
+    B: torch.Tensor
+    A: torch.Tensor
+    scale: float = 1.0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.B.shape[0], self.A.shape[1]
+
+    def dense(self) -> torch.Tensor:
+        return self.scale * (self.B @ self.A)
+
+
+@dataclass(frozen=True)
+class FactoredResult:
+    """The merged delta as factors: delta = left @ right (left: d_out x k, right: k x d_in), k <= sum r_i."""
+
+    left: torch.Tensor
+    right: torch.Tensor
+    diagnostics: dict[str, Any]
+
+    def dense(self) -> torch.Tensor:
+        return self.left @ self.right
+
+
+def _orthonormal_basis(M: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning the numerical column space of M (SVD, relative tolerance)."""
+    U, S, _ = torch.linalg.svd(M, full_matrices=False)
+    if S.numel() == 0 or float(S[0]) == 0:
+        return U[:, :0]
+    tol = max(M.shape) * torch.finfo(M.dtype).eps * float(S[0])
+    return U[:, : int((tol < S).sum())]
+
+
+def factor_cores(
+    experts: Sequence[LoraDelta], dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Bases P (d_out x p), R (d_in x q) and cores T (N x p x q) with expert i = P T_i R^T exactly."""
+    if not experts:
+        raise ValueError("no LoRA experts given")
+    shapes = {e.shape for e in experts}
+    if len(shapes) != 1:
+        raise ValueError(f"LoRA experts disagree on the layer shape: {sorted(shapes)}")
+    Bs = [compute_dtype(e.B, dtype) for e in experts]
+    As = [compute_dtype(e.A, dtype) for e in experts]
+    P = _orthonormal_basis(torch.cat(Bs, dim=1))
+    R = _orthonormal_basis(torch.cat(As, dim=0).T)
+    cores = torch.stack([e.scale * (P.T @ B) @ (A @ R) for e, B, A in zip(experts, Bs, As, strict=True)])
+    return P, R, cores
+
+
+def merge_factored(method: str, experts: Sequence[LoraDelta], *, dtype: torch.dtype | None = None, **params: Any):
+    """Merge LoRA experts with a registered method that supports factored experts; exact, no densifying.
+
+    Returns a :class:`FactoredResult` whose ``dense()`` equals ``method`` on the dense B_i A_i stack.
+    The bases and the small solve run in float64 whatever ``dtype`` (the compute dtype of the result:
+    default float32 for half inputs, else the factors'): they are (sum r_i)-sized, so it costs nothing
+    and keeps the factored result at least as accurate as the dense one.
+    """
+    out_dtype = compute_dtype(experts[0].B, dtype).dtype
+    P, R, cores = factor_cores(experts, torch.float64)
+    result = get_method(method)(cores, full_shape=experts[0].shape, **params)
+    diagnostics = {**result.diagnostics, "factored_rank": min(P.shape[1], R.shape[1])}
+    return FactoredResult((P @ result.delta).to(out_dtype), R.T.to(out_dtype), diagnostics)
