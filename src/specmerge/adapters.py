@@ -1,0 +1,177 @@
+"""PEFT LoRA adapters as per-tensor low-rank deltas of the base model (no densifying).
+
+``open_adapter(folder)`` reads ``adapter_config.json`` and ``adapter_model.safetensors`` (or
+``adapter_model.bin``); ``adapter.deltas()`` names, for every adapted base weight, the factors of
+its delta, and ``adapter.load(name)`` returns a :class:`specmerge.lora.LoraDelta` with
+
+    delta W = scale * B @ A,   scale = alpha / r   (alpha / sqrt(r) with rsLoRA),
+
+r the module's rank (read from the stored factors, which is what ``rank_pattern`` sets) and alpha
+from ``alpha_pattern`` or ``lora_alpha``. Patterns follow PEFT: the first key in the pattern dict
+that matches the end of the module name (``(.*\\.)?key$``) wins. With ``fan_in_fan_out`` (GPT-2's
+Conv1D, whose weight is stored as d_in x d_out) the delta is transposed into the weight's layout.
+DoRA, LoRA biases, ``modules_to_save`` and other PEFT types are refused with a clear error: their
+updates are not a low-rank delta of the base weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from specmerge.lora import LoraDelta
+from specmerge.sources import SourceError, TensorInfo, open_source
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
+
+
+class AdapterError(SourceError):
+    """A PEFT adapter that cannot be read or does not fit the base model."""
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One adapted weight: the base tensor it changes and how."""
+
+    base_name: str  # e.g. model.layers.0.self_attn.q_proj.weight
+    module: str
+    rank: int
+    alpha: float
+    scale: float
+    shape: tuple[int, int]  # the delta in the base weight's layout
+    transposed: bool  # fan_in_fan_out: the base weight is stored d_in x d_out
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+class LoraAdapter:
+    """A PEFT LoRA adapter folder read lazily, one module at a time."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder
+        config_file = folder / ADAPTER_CONFIG
+        if not config_file.is_file():
+            raise AdapterError(
+                f"{folder}: no {ADAPTER_CONFIG}; point at a PEFT adapter folder (save_pretrained output)"
+            )
+        try:
+            self.config = json.loads(config_file.read_text())
+        except json.JSONDecodeError as err:
+            raise AdapterError(f"{config_file}: not valid JSON ({err})") from None
+        self._check_supported(config_file)
+        weights = next((folder / f for f in ADAPTER_FILES if (folder / f).is_file()), None)
+        if weights is None:
+            raise AdapterError(f"{folder}: no adapter weights ({' or '.join(ADAPTER_FILES)})")
+        self._source = open_source(weights)
+        self._modules = self._read_modules()
+
+    def _check_supported(self, config_file: Path) -> None:
+        kind = self.config.get("peft_type")
+        if kind != "LORA":
+            raise AdapterError(f"{config_file}: PEFT type {kind!r} is not supported; specmerge merges LoRA adapters")
+        for key, what in (("use_dora", "DoRA"), ("lora_bias", "LoRA biases")):
+            if self.config.get(key):
+                raise AdapterError(
+                    f"{config_file}: {what} adapters are not supported (their update is not a low-rank delta "
+                    "of the base weights); merge them into the model with PEFT's merge_and_unload first"
+                )
+        if self.config.get("modules_to_save") or self.config.get("trainable_token_indices"):
+            raise AdapterError(
+                f"{config_file}: modules_to_save / trainable tokens replace whole base tensors and are not supported "
+                "yet; merge the adapter into the model with PEFT's merge_and_unload and pass the full checkpoint"
+            )
+
+    def _read_modules(self) -> dict[str, LoraModule]:
+        factors: dict[str, dict[str, TensorInfo]] = {}
+        for name, info in self._source.infos().items():
+            match = _KEY.match(name)
+            if match is None:
+                raise AdapterError(f"{self._source.path}: unexpected tensor '{name}' in a LoRA adapter")
+            factors.setdefault(match["module"], {})[match["which"]] = info
+        fan_in_fan_out = bool(self.config.get("fan_in_fan_out"))
+        modules = {}
+        for module, pair in factors.items():
+            if set(pair) != {"A", "B"}:
+                raise AdapterError(f"{self._source.path}: module '{module}' has lora_{''.join(pair)} only")
+            A, B = pair["A"], pair["B"]
+            if len(A.shape) != 2 or len(B.shape) != 2 or A.shape[0] != B.shape[1]:
+                raise AdapterError(
+                    f"{self._source.path}: module '{module}' has lora_A {list(A.shape)} and lora_B {list(B.shape)}, "
+                    "which are not the factors of a linear layer"
+                )
+            rank = A.shape[0]
+            alpha = float(_pattern_value(self.config.get("alpha_pattern") or {}, module, self.config["lora_alpha"]))
+            scale = alpha / (math.sqrt(rank) if self.config.get("use_rslora") else rank)
+            shape = (A.shape[1], B.shape[0]) if fan_in_fan_out else (B.shape[0], A.shape[1])
+            modules[f"{module}.weight"] = LoraModule(
+                f"{module}.weight", module, rank, alpha, scale, shape, fan_in_fan_out
+            )
+        return modules
+
+    def modules(self) -> dict[str, LoraModule]:
+        """The adapted base weights, by base tensor name."""
+        return dict(self._modules)
+
+    def load(self, base_name: str) -> LoraDelta:
+        """The delta of one adapted base weight, in the weight's layout."""
+        module = self._modules.get(base_name)
+        if module is None:
+            raise AdapterError(f"{self.path}: the adapter does not change '{base_name}'")
+        B = self._source.load(self._key(module.module, "B"))
+        A = self._source.load(self._key(module.module, "A"))
+        if module.transposed:  # delta W = (scale B A)^T = scale A^T B^T
+            return LoraDelta(A.T.contiguous(), B.T.contiguous(), module.scale)
+        return LoraDelta(B, A, module.scale)
+
+    def _key(self, module: str, which: str) -> str:
+        for name in (f"base_model.model.{module}.lora_{which}.weight", f"{module}.lora_{which}.weight"):
+            if name in self._source.infos():
+                return name
+        raise AdapterError(f"{self.path}: lora_{which} of '{module}' not found")
+
+    def check_base(self, base: dict[str, TensorInfo]) -> None:
+        """Every adapted module must be a 2-D base weight of the delta's shape (else: adapter for another base)."""
+        for name, module in self._modules.items():
+            info = base.get(name)
+            if info is None:
+                raise AdapterError(
+                    f"{self.path}: targets '{name}', which the base model does not have; "
+                    "was the adapter trained on another base?"
+                )
+            if tuple(info.shape) != module.shape:
+                raise AdapterError(
+                    f"{self.path}: '{name}' is {list(info.shape)} in the base but the adapter's delta is "
+                    f"{list(module.shape)}; the adapter was trained on another base model"
+                )
+
+    def close(self) -> None:
+        self._source.close()
+
+    def __enter__(self) -> LoraAdapter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def is_adapter(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a PEFT adapter folder."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def open_adapter(path: str | os.PathLike) -> LoraAdapter:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise AdapterError(f"{folder}: not a folder; a PEFT adapter is a folder with {ADAPTER_CONFIG}")
+    return LoraAdapter(folder)
