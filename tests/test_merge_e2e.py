@@ -212,3 +212,15 @@ def test_device_resolution():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device; use --device cpu or auto"):
             resolve_device("cuda")
+
+
+def test_scale_non_matrix_scales_the_averaged_tensors(families, tmp_path):
+    base_dir, expert_dirs = families["bert"]
+    out = tmp_path / "scaled"
+    report = merge(base_dir, expert_dirs, out, params={"scale": 0.5}, scale_non_matrix=True, progress=False)
+    base, experts, merged = load_weights(base_dir), [load_weights(e) for e in expert_dirs], load_weights(out)
+    averaged = [r["name"] for r in report["tensors"] if r["action"] == "average"]
+    assert averaged
+    for name in averaged:
+        mean = torch.stack([e[name] - base[name] for e in experts]).mean(dim=0)
+        torch.testing.assert_close(merged[name], base[name] + 0.5 * mean, rtol=1e-5, atol=1e-6)

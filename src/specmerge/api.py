@@ -67,7 +67,6 @@ def run_recipe(recipe: Recipe, output: str | os.PathLike, *, overwrite: bool = F
         experts = [stack.enter_context(open_source(path)) for path in recipe.experts]
         plan = make_plan(recipe, base.infos(), [e.infos() for e in experts], list(recipe.experts))
         method = get_method(recipe.method)
-        average_scale = recipe.params.get("scale", 1.0) if recipe.scale_non_matrix else 1.0
         with atomic_directory(output, overwrite=overwrite) as folder:
             writer = ShardWriter(
                 folder,
@@ -83,7 +82,6 @@ def run_recipe(recipe: Recipe, output: str | os.PathLike, *, overwrite: bool = F
                     writer.write,
                     device=device,
                     compute_dtype=compute_dtype,
-                    average_scale=average_scale,
                     expert_keys=recipe.expert_keys,
                     progress=progress,
                 )

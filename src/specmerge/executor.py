@@ -100,7 +100,6 @@ def merge_tensor(
     *,
     device: torch.device,
     compute_dtype: torch.dtype,
-    average_scale: float = 1.0,
     expert_keys: Sequence[str] | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """The merged tensor for one plan entry (in ``entry.out_dtype``, on the CPU) and its diagnostics."""
@@ -111,7 +110,7 @@ def merge_tensor(
         delta = torch.zeros_like(base_c)
         for t in expert_tensors:
             delta.add_(t.to(device=device))
-        delta.div_(len(expert_tensors)).sub_(base_c).mul_(average_scale)
+        delta.div_(len(expert_tensors)).sub_(base_c).mul_(entry.params.get("scale", 1.0))
         diagnostics: dict[str, Any] = {}
     else:
         stack = base_c.new_empty((len(expert_tensors), *base_c.shape))
@@ -133,7 +132,6 @@ def run_plan(
     *,
     device: torch.device,
     compute_dtype: torch.dtype = torch.float32,
-    average_scale: float = 1.0,
     expert_keys: Sequence[str] | None = None,
     progress: bool = True,
     block_bytes: int | None = None,
@@ -156,7 +154,6 @@ def run_plan(
                 expert_tensors,
                 device=device,
                 compute_dtype=compute_dtype,
-                average_scale=average_scale,
                 expert_keys=expert_keys,
             )
             seconds = time.perf_counter() - start
