@@ -25,7 +25,15 @@ import torch
 from pydantic import Field
 
 from specmerge.registry import Count, LayerResult, NonNegative, Positive, register
-from specmerge.spectral import WUDI_CITATION, TauInit, initial_point, nonzero_experts, normal_equation, proxy_loss
+from specmerge.spectral import (
+    WUDI_CITATION,
+    TauInit,
+    expert_norms_sq,
+    initial_point,
+    nonzero_experts,
+    normal_equation,
+    proxy_loss,
+)
 
 Optimizer = Literal["adam", "sgd"]
 Gradient = Callable[[torch.Tensor], torch.Tensor]
@@ -148,8 +156,9 @@ def proxy_equation(task_vectors: torch.Tensor, rank: int | None = None, *, centr
     n, d_out, d_in = task_vectors.shape
     k = proxy_rank(d_out, d_in, n, rank)
     source = task_vectors - task_vectors.mean(dim=0) if centre else task_vectors
-    keep = task_vectors.flatten(1).pow(2).sum(dim=1) > 0
-    tau, norms_sq = nonzero_experts(task_vectors)
+    norms = expert_norms_sq(task_vectors)
+    keep = norms > 0
+    tau, norms_sq = task_vectors[keep], norms[keep]
     _, S, Vh = torch.linalg.svd(source[keep], full_matrices=False)
     factors = S[:, :k, None] * Vh[:, :k]
     scaled = factors / norms_sq.sqrt()[:, None, None]

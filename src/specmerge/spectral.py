@@ -27,13 +27,18 @@ WUDI_CITATION = "Cheng et al., Whoever Started the Interference Should End It (W
 PAPER_CITATION = "Closed-Form Spectral Merging (SWUDI / SWUDI-A), specmerge paper Sec. 4"
 
 
+def expert_norms_sq(task_vectors: torch.Tensor) -> torch.Tensor:
+    """n_i = ||tau_i||_F^2 for every expert, one dot product each (no squared copy of the stack)."""
+    flat = task_vectors.reshape(task_vectors.shape[0], -1)
+    return torch.stack([torch.dot(row, row) for row in flat]) if len(flat) else flat.new_zeros(0)
+
+
 def nonzero_experts(task_vectors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts whose delta is not all zero, and their squared Frobenius norms n_i.
 
     Returns the input itself (no copy) when every expert is non-zero.
     """
-    flat = task_vectors.reshape(task_vectors.shape[0], -1)
-    norms_sq = torch.stack([torch.dot(row, row) for row in flat]) if len(flat) else flat.new_zeros(0)
+    norms_sq = expert_norms_sq(task_vectors)
     keep = norms_sq > 0
     if bool(keep.all()):
         return task_vectors, norms_sq
