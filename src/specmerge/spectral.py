@@ -172,28 +172,27 @@ def decompose(eq: NormalEquation, full_shape: tuple[int, int] | None = None) -> 
         M = eq.M
         lam, U = torch.linalg.eigh(M @ M.T)
         lam, U = lam.flip(0), U.flip(1)
-        tol = n_cols * eps * float(lam[0].clamp(min=0))
-        lam = torch.where(lam > tol, lam, torch.zeros_like(lam))
-        rank = int((lam > 0).sum())
+        lam, tol, rank = _zero_small(lam, n_cols, eps)
         Q = (M.T @ U[:, :rank]) / lam[:rank].sqrt()
     else:
         lam, Q = torch.linalg.eigh(eq.C)
         lam, Q = lam.flip(0), Q.flip(1)
-        tol = n_cols * eps * float(lam[0].clamp(min=0))
-        lam = torch.where(lam > tol, lam, torch.zeros_like(lam))
-        rank = int((lam > 0).sum())
+        lam, tol, rank = _zero_small(lam, n_cols, eps)
         Q = Q[:, :rank]
     return Spectrum(lam, Q, n_rows, n_cols, tol)
 
 
-def _embed(core: Spectrum, n_rows: int, n_cols: int, eps: float) -> Spectrum:
-    """The spectrum of the real layer from that of its core: zeros appended, tolerance of the real d_in."""
-    lam = core.eigenvalues
+def _zero_small(lam: torch.Tensor, n_cols: int, eps: float) -> tuple[torch.Tensor, float, int]:
+    """Descending eigenvalues with those at or below n_cols * eps * lambda_1 set to 0; the tolerance; the rank."""
     tol = n_cols * eps * float(lam[0].clamp(min=0)) if lam.numel() else 0.0
     lam = torch.where(lam > tol, lam, torch.zeros_like(lam))
-    size = min(n_rows, n_cols)
-    padded = torch.cat([lam, lam.new_zeros(max(0, size - lam.numel()))])
-    rank = int((lam > 0).sum())
+    return lam, tol, int((lam > 0).sum())
+
+
+def _embed(core: Spectrum, n_rows: int, n_cols: int, eps: float) -> Spectrum:
+    """The spectrum of the real layer from that of its core: zeros appended, tolerance of the real d_in."""
+    lam, tol, rank = _zero_small(core.eigenvalues, n_cols, eps)
+    padded = torch.cat([lam, lam.new_zeros(max(0, min(n_rows, n_cols) - lam.numel()))])
     return Spectrum(padded, core.eigenvectors[:, :rank], n_rows, n_cols, tol)
 
 
