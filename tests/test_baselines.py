@@ -371,3 +371,31 @@ def test_registry_golden_values_and_matrix_methods_reject_vectors():
     for name in MATRIX:
         with pytest.raises(ValueError, match="2-D"):
             specmerge.get_method(name)(TIES_TAU)
+
+
+# --- rank-deficient deltas (LoRA experts): zero singular values are structural, not directions ------
+
+
+def test_iso_c_flattens_within_the_span_of_a_rank_deficient_sum():
+    g = torch.Generator().manual_seed(15)
+    tau = torch.stack([torch.randn(6, 1, generator=g, dtype=D64) @ torch.randn(1, 5, generator=g, dtype=D64)
+                       for _ in range(2)])  # fmt: skip
+    U, S, Vh = torch.linalg.svd(tau.sum(0), full_matrices=False)
+    result = iso_c(tau)
+    mean_sv = S[:2].mean()  # the two non-zero singular values, not all five
+    torch.testing.assert_close(result.delta, mean_sv * U[:, :2] @ Vh[:2])
+    assert result.diagnostics["kept_rank"] == 2
+    assert int(torch.linalg.matrix_rank(result.delta)) == 2
+    assert torch.equal(iso_c(torch.zeros(2, 3, 4, dtype=D64)).delta, torch.zeros(3, 4, dtype=D64))
+
+
+def test_tsv_m_keeps_at_most_the_rank_of_each_task():
+    g = torch.Generator().manual_seed(16)
+    low = torch.randn(8, 1, generator=g, dtype=D64) @ torch.randn(1, 8, generator=g, dtype=D64)
+    full = torch.randn(8, 8, generator=g, dtype=D64)
+    result = tsv_m(torch.stack([low, full]))  # k = 4 per task; the rank-1 task has one triplet
+    assert result.diagnostics["rank_per_task"] == 4
+    assert result.diagnostics["kept_rank"] == 5
+    U, S, V = tsv_factors(torch.stack([low, full]))
+    assert U.shape == (8, 5) and S.shape == (5,) and V.shape == (8, 5)
+    torch.testing.assert_close(S[0], torch.linalg.svdvals(low)[0])

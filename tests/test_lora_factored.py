@@ -17,6 +17,13 @@ SPECTRAL = [
     ("spectral_filter", {"filter": "tikhonov", "alpha": 0.01, "rank": "psqrt"}),
     ("spectral_filter", {"filter": "landweber", "eta": 0.3, "steps": 20}),
 ]
+# Baselines with an exact factored form: linear ones, and TSV-M / Iso-C through small SVDs.
+FACTORED_BASELINES = [
+    ("task_arithmetic", {}),
+    ("weight_average", {"scale": 0.7}),
+    ("tsv_m", {}),
+    ("iso_c", {"scale": 1.2}),
+]
 CASES = [(3, 4, 40, 56, False), (5, 8, 96, 64, True), (2, 2, 30, 30, False), (4, 3, 20, 90, True)]
 
 
@@ -61,6 +68,18 @@ def test_factored_equals_dense(n, r, d_out, d_in, rslora, method, params, dtype,
     for key in ("kept_rank", "numerical_rank", "spectrum_size"):
         assert factored.diagnostics[key] == dense.diagnostics[key], key
     assert factored.diagnostics["lambda_max"] == pytest.approx(dense.diagnostics["lambda_max"], rel=tolerance)
+    assert factored.left.shape[1] <= n * r
+
+
+@pytest.mark.parametrize(("n", "r", "d_out", "d_in", "rslora"), CASES)
+@pytest.mark.parametrize(("method", "params"), FACTORED_BASELINES)
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float64, 1e-5), (torch.float32, 1e-4)])
+def test_factored_baselines_equal_dense(n, r, d_out, d_in, rslora, method, params, dtype, tolerance):
+    experts = adapters(n, r, d_out, d_in, rslora, dtype, seed=1)
+    dense = get_method(method)(torch.stack([e.dense() for e in experts]), **params)
+    factored = merge_factored(method, experts, **params)
+    assert relative(factored.dense(), dense.delta) <= tolerance
+    assert factored.diagnostics.get("kept_rank") == dense.diagnostics.get("kept_rank")
     assert factored.left.shape[1] <= n * r
 
 

@@ -20,10 +20,15 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from specmerge.lora import LoraDelta
+import torch
+from safetensors.torch import save_file
+
+from specmerge.lora import AdapterFactors, LoraDelta
 from specmerge.sources import SourceError, TensorInfo, open_source
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -119,6 +124,11 @@ class LoraAdapter:
             )
         return modules
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the stored factors (of the first one)."""
+        return next(iter(self._source.infos().values())).dtype
+
     def modules(self) -> dict[str, LoraModule]:
         """The adapted base weights, by base tensor name."""
         return dict(self._modules)
@@ -163,6 +173,98 @@ class LoraAdapter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class AdapterExpert:
+    """A LoRA adapter as an expert of a base model: every base tensor, changed by B A on the adapted weights.
+
+    ``infos()`` lists the base's tensors (an adapter expert has them all: the ones it does not adapt are
+    the base's own, a zero delta); ``load_delta(name)`` is the low-rank delta of an adapted weight, or
+    None. Checks on construction that every adapted module is a base weight of the delta's shape.
+    """
+
+    def __init__(self, adapter: LoraAdapter, base_infos: Mapping[str, TensorInfo]) -> None:
+        adapter.check_base(dict(base_infos))
+        self.adapter = adapter
+        self.path = adapter.path
+        self._infos = dict(base_infos)
+        self._modules = adapter.modules()
+
+    def infos(self) -> dict[str, TensorInfo]:
+        return self._infos
+
+    def changes(self, name: str) -> bool:
+        """Whether the adapter changes base tensor ``name``."""
+        return name in self._modules
+
+    def load_delta(self, name: str, rows: tuple[int, int] | None = None) -> LoraDelta | None:
+        """The delta of ``name`` (rows ``start:stop`` of it when given), or None where the adapter changes nothing."""
+        if name not in self._modules:
+            return None
+        delta = self.adapter.load(name)
+        return delta if rows is None else delta.rows(*rows)
+
+    def close(self) -> None:
+        self.adapter.close()
+
+    def __enter__(self) -> AdapterExpert:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def adapter_config(
+    ranks: Mapping[str, int], *, base_model: str, like: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """A PEFT LoRA config for modules of the given ranks, each with scale 1 (lora_alpha = r per module).
+
+    ``ranks`` maps base weight names (``....q_proj.weight``) to ranks. The most common rank is ``r``;
+    the others go to ``rank_pattern`` / ``alpha_pattern`` under their full, regex-escaped module names
+    (PEFT matches pattern keys as regular expressions on the module name's end). ``task_type`` and
+    ``fan_in_fan_out`` are taken from ``like`` (an input adapter's config).
+    """
+    like = like or {}
+    modules = {name.removesuffix(".weight"): rank for name, rank in ranks.items()}
+    counts: dict[int, int] = {}
+    for rank in modules.values():
+        counts[rank] = counts.get(rank, 0) + 1
+    r = max(sorted(counts), key=lambda k: counts[k]) if counts else 1
+    patterns = {re.escape(m): rank for m, rank in sorted(modules.items()) if rank != r}
+    return {
+        "peft_type": "LORA",
+        "task_type": like.get("task_type"),
+        "base_model_name_or_path": base_model,
+        "r": r,
+        "lora_alpha": r,
+        "rank_pattern": patterns,
+        "alpha_pattern": dict(patterns),
+        "target_modules": sorted(modules),
+        "fan_in_fan_out": bool(like.get("fan_in_fan_out", False)),
+        "use_rslora": False,
+        "use_dora": False,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+
+
+def write_adapter(folder: Path, factors: Mapping[str, AdapterFactors], config: Mapping[str, Any]) -> None:
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` for factors keyed by base weight name.
+
+    The factors are in the base weight's layout (delta W = B A); with ``fan_in_fan_out`` (GPT-2's Conv1D,
+    weights stored d_in x d_out) PEFT's factors are their transposes, lora_B = A^T and lora_A = B^T.
+    """
+    transposed = bool(config.get("fan_in_fan_out"))
+    tensors: dict[str, torch.Tensor] = {}
+    for name, f in factors.items():
+        prefix = f"base_model.model.{name.removesuffix('.weight')}"
+        lora_B, lora_A = (f.A.T, f.B.T) if transposed else (f.B, f.A)
+        tensors[f"{prefix}.lora_A.weight"] = lora_A.contiguous()
+        tensors[f"{prefix}.lora_B.weight"] = lora_B.contiguous()
+    save_file(tensors, str(folder / ADAPTER_FILES[0]), metadata={"format": "pt"})
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(dict(config), indent=2) + "\n")
 
 
 def is_adapter(path: str | os.PathLike) -> bool:

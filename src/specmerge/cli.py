@@ -50,7 +50,17 @@ def _parse_params(pairs: list[str]) -> dict:
 def _merge_command(args: argparse.Namespace) -> int:
     from specmerge.api import merge
 
-    options = {k: v for k, v in (("dtype", args.dtype), ("device", args.device), ("shard_size", args.shard_size)) if v}
+    options = {
+        key: value
+        for key, value in (
+            ("dtype", args.dtype),
+            ("device", args.device),
+            ("shard_size", args.shard_size),
+            ("output_format", args.output_format),
+            ("max_rank", args.max_rank),
+        )
+        if value
+    }
     report = merge(
         args.base,
         args.experts,
@@ -76,6 +86,12 @@ def _run_command(args: argparse.Namespace) -> int:
 
 def _print_summary(report: dict, output: str) -> None:
     print(f"merged {len(report['tensors'])} tensors with {report['method']} in {report['seconds']:.1f} s -> {output}")
+    adapter = report.get("adapter")
+    if adapter:
+        print(
+            f"adapter: {adapter['modules']} modules, rank <= {adapter['max_rank']}, "
+            f"largest discarded energy {adapter['max_discarded_energy']:.2e}"
+        )
 
 
 def _add_output_arguments(p: argparse.ArgumentParser) -> None:
@@ -92,12 +108,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_methods_command)
     p = sub.add_parser("merge", help="merge experts fine-tuned from BASE into a new model folder")
     p.add_argument("base", help="base model: Hugging Face folder or .safetensors file")
-    p.add_argument("experts", nargs="+", help="fine-tuned experts of the same architecture")
+    p.add_argument(
+        "experts", nargs="+", help="fine-tuned experts of the same base: model folders/files or PEFT LoRA adapters"
+    )
     p.add_argument("-m", "--method", default="swudi_a", help="merge method (see `specmerge methods`)")
     p.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE", help="method parameter")
     p.add_argument("--dtype", help="output dtype: auto (base's), float32, float16, bfloat16")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--shard-size", help="largest output shard, e.g. 5GB or 500MB")
+    p.add_argument(
+        "--output-format",
+        choices=["model", "lora"],
+        help="model (default): a merged model folder; lora: a PEFT adapter (every expert a LoRA adapter)",
+    )
+    p.add_argument("--max-rank", type=int, help="lora output: truncate each module to this rank (SVD; energy reported)")
     _add_output_arguments(p)
     p.set_defaults(run=_merge_command)
     p = sub.add_parser("run", help="run a YAML recipe")

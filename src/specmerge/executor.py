@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from specmerge.adapters import AdapterExpert
+from specmerge.lora import AdapterFactors, FactoredResult, LoraDelta, adapter_factors, merge_factored
 from specmerge.plan import TensorPlan
 from specmerge.registry import get_method
 from specmerge.sources import TensorSource
@@ -69,34 +71,119 @@ def row_blocks(entry: TensorPlan, itemsize: int, block_bytes: int | None = None)
     return [(start, min(start + per_block, rows)) for start in range(0, rows, per_block)]
 
 
+Expert = TensorSource | AdapterExpert
+# What an expert holds for one tensor: its weight W_i (full checkpoint), a low-rank delta (LoRA adapter),
+# or None (an adapter that does not change this tensor: delta zero).
+Item = torch.Tensor | LoraDelta | None
+
+
+def _load(expert: Expert, name: str, rows: Rows) -> Item:
+    if isinstance(expert, AdapterExpert):
+        return expert.load_delta(name, rows)
+    return expert.load(name, rows)
+
+
 def _read(
-    entry: TensorPlan, rows: Rows, base: TensorSource, experts: Sequence[TensorSource]
-) -> tuple[torch.Tensor, list]:
-    base_tensor = base.load(entry.name, rows)
+    entry: TensorPlan, rows: Rows, base: TensorSource | None, experts: Sequence[Expert]
+) -> tuple[torch.Tensor | None, list[Item]]:
+    base_tensor = None if base is None else base.load(entry.name, rows)
     if entry.action == "keep_base":
         return base_tensor, []
-    return base_tensor, [expert.load(entry.name, rows) for expert in experts]
+    return base_tensor, [_load(expert, entry.name, rows) for expert in experts]
 
 
 def _prefetched(
-    work: Sequence[tuple[TensorPlan, Rows]], base: TensorSource, experts: Sequence[TensorSource]
-) -> Iterator[tuple[TensorPlan, Rows, torch.Tensor, list]]:
+    work: Sequence[tuple[TensorPlan, Rows]], base: TensorSource | None, experts: Sequence[Expert]
+) -> Iterator[tuple[TensorPlan, Rows, torch.Tensor | None, list[Item]]]:
     """Yield (entry, rows, base block, expert blocks), reading item k + 1 while the caller works on item k."""
     if not work:
         return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="specmerge-read") as pool:
         pending = pool.submit(_read, *work[0], base, experts)
         for k, (entry, rows) in enumerate(work):
-            base_tensor, expert_tensors = pending.result()
+            base_tensor, items = pending.result()
             if k + 1 < len(work):
                 pending = pool.submit(_read, *work[k + 1], base, experts)
-            yield entry, rows, base_tensor, expert_tensors
+            yield entry, rows, base_tensor, items
+
+
+def merged_delta(
+    entry: TensorPlan,
+    base_c: torch.Tensor | None,
+    items: Sequence[Item],
+    *,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    expert_keys: Sequence[str] | None = None,
+) -> tuple[torch.Tensor | FactoredResult | None, dict[str, Any]]:
+    """The merged delta of one ``average`` or ``merge`` entry: dense, factored, or None (no expert changes it).
+
+    ``base_c`` is the base tensor on ``device`` in ``compute_dtype`` (None only when every item is a
+    low-rank delta or None, as when writing an adapter). Routes, recorded in the diagnostics:
+    ``factored`` when every expert is a LoRA adapter and the method has an exact factored form (the
+    spectral methods, task arithmetic, weight average, TSV-M, Iso-C; an average is the concatenation
+    of the factors); otherwise ``dense``: adapters' deltas are formed as s B A for this tensor and
+    stacked with the full checkpoints' W_i - W_0 (TIES, DARE and the iterative methods always densify).
+    """
+    n = len(items)
+    if all(item is None for item in items):
+        return None, {"route": "unchanged"}
+    all_factored = all(item is None or isinstance(item, LoraDelta) for item in items)
+    method = get_method(entry.method) if entry.action == "merge" else None
+    shape = entry.shape if base_c is None else tuple(base_c.shape)
+    if all_factored and len(shape) == 2 and (method is None or method.factored):
+        deltas = [
+            LoraDelta.zero(shape, compute_dtype, device) if item is None else item.to(device, compute_dtype)
+            for item in items
+        ]
+        if method is None:  # average: s / N * sum_i s_i B_i A_i, as one pair of concatenated factors
+            scale = entry.params.get("scale", 1.0) / n
+            left = torch.cat([d.B * (scale * d.scale) for d in deltas], dim=1)
+            right = torch.cat([d.A for d in deltas], dim=0)
+            return FactoredResult(left, right, {}), {"route": "factored"}
+        result = merge_factored(method.name, deltas, dtype=compute_dtype, **entry.params)
+        return result, {**result.diagnostics, "route": "factored"}
+    if method is None:  # average as a running sum: two buffers, not N
+        delta = torch.zeros(shape, dtype=compute_dtype, device=device)
+        full = 0
+        for item in items:
+            if isinstance(item, torch.Tensor):
+                delta.add_(item.to(device=device))
+                full += 1
+            elif item is not None:
+                _add_low_rank(delta, item, device, compute_dtype)
+        if full:
+            delta.sub_(_needs_base(base_c, entry), alpha=full)
+        delta.div_(n).mul_(entry.params.get("scale", 1.0))
+        return delta, {"route": "dense"}
+    stack = torch.empty((n, *shape), dtype=compute_dtype, device=device)
+    for row, item in zip(stack, items, strict=True):  # filled in place: no temporaries
+        if isinstance(item, torch.Tensor):
+            row.copy_(item).sub_(_needs_base(base_c, entry))
+        else:
+            row.zero_()
+            if item is not None:
+                _add_low_rank(row, item, device, compute_dtype)
+    result = method(stack, dtype=compute_dtype, tensor_name=entry.name, expert_keys=expert_keys, **entry.params)
+    del stack
+    return result.delta, {**result.diagnostics, "route": "dense"}
+
+
+def _needs_base(base_c: torch.Tensor | None, entry: TensorPlan) -> torch.Tensor:
+    if base_c is None:
+        raise ValueError(f"tensor '{entry.name}': a full-checkpoint expert's delta needs the base tensor")
+    return base_c
+
+
+def _add_low_rank(target: torch.Tensor, delta: LoraDelta, device: torch.device, dtype: torch.dtype) -> None:
+    d = delta.to(device, dtype)
+    target.addmm_(d.B, d.A, alpha=d.scale)
 
 
 def merge_tensor(
     entry: TensorPlan,
     base_tensor: torch.Tensor,
-    expert_tensors: Sequence[torch.Tensor],
+    items: Sequence[Item],
     *,
     device: torch.device,
     compute_dtype: torch.dtype,
@@ -106,28 +193,22 @@ def merge_tensor(
     if entry.action == "keep_base":
         return base_tensor.to(entry.out_dtype), {}
     base_c = base_tensor.to(device=device, dtype=compute_dtype)
-    if entry.action == "average":  # running sum: two buffers, not N
-        delta = torch.zeros_like(base_c)
-        for t in expert_tensors:
-            delta.add_(t.to(device=device))
-        delta.div_(len(expert_tensors)).sub_(base_c).mul_(entry.params.get("scale", 1.0))
-        diagnostics: dict[str, Any] = {}
+    delta, diagnostics = merged_delta(
+        entry, base_c, items, device=device, compute_dtype=compute_dtype, expert_keys=expert_keys
+    )
+    if isinstance(delta, FactoredResult):
+        merged = base_c.addmm_(delta.left, delta.right)
+    elif delta is not None:
+        merged = delta.add_(base_c)
     else:
-        stack = base_c.new_empty((len(expert_tensors), *base_c.shape))
-        for row, t in zip(stack, expert_tensors, strict=True):  # filled in place: no temporaries
-            row.copy_(t).sub_(base_c)
-        result = get_method(entry.method)(
-            stack, dtype=compute_dtype, tensor_name=entry.name, expert_keys=expert_keys, **entry.params
-        )
-        delta, diagnostics = result.delta, result.diagnostics
-        del stack, result
-    return delta.add_(base_c).to(dtype=entry.out_dtype).cpu(), diagnostics
+        merged = base_c
+    return merged.to(dtype=entry.out_dtype).cpu(), diagnostics
 
 
 def run_plan(
     plan: Sequence[TensorPlan],
     base: TensorSource,
-    experts: Sequence[TensorSource],
+    experts: Sequence[Expert],
     write: Callable[[str, torch.Tensor], None],
     *,
     device: torch.device,
@@ -146,12 +227,12 @@ def run_plan(
     done = 0
     total = sum(_numel(entry.shape) * entry.out_dtype.itemsize for entry in plan)
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress, desc="merging") as bar:
-        for entry, rows, base_tensor, expert_tensors in _prefetched(work, base, experts):
+        for entry, rows, base_tensor, items in _prefetched(work, base, experts):
             start = time.perf_counter()
             merged, diagnostics = merge_tensor(
                 entry,
                 base_tensor,
-                expert_tensors,
+                items,
                 device=device,
                 compute_dtype=compute_dtype,
                 expert_keys=expert_keys,
@@ -159,7 +240,7 @@ def run_plan(
             seconds = time.perf_counter() - start
             write(entry.name, merged, row_start=None if rows is None else rows[0])
             nbytes = merged.numel() * merged.dtype.itemsize
-            del merged, base_tensor, expert_tensors
+            del merged, base_tensor, items
             report = reports.get(entry.name)
             if report is None:
                 reports[entry.name] = TensorReport(
@@ -176,6 +257,49 @@ def run_plan(
             bar.set_postfix_str(f"{done}/{len(plan)} tensors", refresh=False)
             bar.update(nbytes)
     return list(reports.values())
+
+
+def run_adapter_plan(
+    plan: Sequence[TensorPlan],
+    experts: Sequence[AdapterExpert],
+    *,
+    device: torch.device,
+    compute_dtype: torch.dtype = torch.float32,
+    max_rank: int | None = None,
+    out_dtype: torch.dtype | None = None,
+    expert_keys: Sequence[str] | None = None,
+    progress: bool = True,
+) -> tuple[dict[str, AdapterFactors], list[TensorReport]]:
+    """Merge LoRA experts into LoRA factors per adapted tensor (for writing a PEFT adapter); the base is not read.
+
+    Only tensors that some adapter changes and the plan merges or averages are worked on; every other
+    tensor of the merged model is the base's. Each merged delta becomes :func:`adapter_factors` (exact, or
+    truncated to ``max_rank`` with the discarded energy in the report); a zero delta writes no module.
+    """
+    work = [
+        (entry, None)
+        for entry in plan
+        if entry.action != "keep_base" and any(expert.changes(entry.name) for expert in experts)
+    ]
+    factors: dict[str, AdapterFactors] = {}
+    reports = []
+    with tqdm(total=len(work), unit="tensor", disable=not progress, desc="merging adapters") as bar:
+        for entry, _, _, items in _prefetched(work, None, experts):
+            start = time.perf_counter()
+            delta, diagnostics = merged_delta(
+                entry, None, items, device=device, compute_dtype=compute_dtype, expert_keys=expert_keys
+            )
+            if delta is not None:
+                f = adapter_factors(delta, max_rank=max_rank, dtype=out_dtype)
+                diagnostics.update(adapter_rank=f.rank, discarded_energy=f.discarded_energy)
+                if f.rank:
+                    factors[entry.name] = AdapterFactors(f.B.cpu(), f.A.cpu(), f.discarded_energy)
+            seconds = time.perf_counter() - start
+            reports.append(
+                TensorReport(entry.name, entry.shape, entry.action, entry.method, entry.reason, seconds, diagnostics)
+            )
+            bar.update()
+    return factors, reports
 
 
 def _numel(shape: tuple[int, ...]) -> int:

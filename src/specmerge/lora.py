@@ -36,6 +36,24 @@ class LoraDelta:
     def dense(self) -> torch.Tensor:
         return self.scale * (self.B @ self.A)
 
+    @property
+    def rank(self) -> int:
+        return self.A.shape[0]
+
+    def rows(self, start: int, stop: int) -> LoraDelta:
+        """The delta's rows ``start:stop`` (a slice of B)."""
+        return LoraDelta(self.B[start:stop], self.A, self.scale)
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> LoraDelta:
+        return LoraDelta(self.B.to(device=device, dtype=dtype), self.A.to(device=device, dtype=dtype), self.scale)
+
+    @staticmethod
+    def zero(shape: tuple[int, int], dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        """The rank-0 delta of a layer an adapter does not change."""
+        return LoraDelta(
+            torch.zeros(shape[0], 0, dtype=dtype, device=device), torch.zeros(0, shape[1], dtype=dtype, device=device)
+        )
+
 
 @dataclass(frozen=True)
 class FactoredResult:
@@ -88,3 +106,51 @@ def merge_factored(method: str, experts: Sequence[LoraDelta], *, dtype: torch.dt
     result = get_method(method)(cores, full_shape=experts[0].shape, **params)
     diagnostics = {**result.diagnostics, "factored_rank": min(P.shape[1], R.shape[1])}
     return FactoredResult((P @ result.delta).to(out_dtype), R.T.to(out_dtype), diagnostics)
+
+
+@dataclass(frozen=True)
+class AdapterFactors:
+    """A delta written as a LoRA pair: delta = B @ A, with its singular values split evenly between B and A."""
+
+    B: torch.Tensor  # d_out x k
+    A: torch.Tensor  # k x d_in
+    discarded_energy: float  # share of ||delta||_F^2 dropped by a max rank (0 when exact)
+
+    @property
+    def rank(self) -> int:
+        return self.A.shape[0]
+
+
+def adapter_factors(
+    delta: FactoredResult | torch.Tensor, *, max_rank: int | None = None, dtype: torch.dtype | None = None
+) -> AdapterFactors:
+    """The smallest exact LoRA pair of a merged delta, or its best rank-``max_rank`` approximation.
+
+    A factored delta L R (k columns) is reduced through QR of both factors and a k x k SVD; a dense
+    delta (from a method that densifies) through its SVD. Singular values at or below
+    max(d_out, d_in) * eps * sigma_1 (eps of the delta's dtype) are zeros and dropped (no
+    approximation); ``max_rank`` then keeps the leading ones (Eckart-Young), and the discarded
+    share of the squared Frobenius norm is reported. B = U sqrt(S), A = sqrt(S) V^T. Computed in
+    float64, returned in ``dtype`` (default the delta's).
+    """
+    from specmerge.baselines import singular_value_floor
+
+    if isinstance(delta, FactoredResult):
+        out_dtype = dtype or delta.left.dtype
+        Q1, R1 = torch.linalg.qr(delta.left.double())
+        Q2, R2 = torch.linalg.qr(delta.right.double().T)
+        U, S, Vh = torch.linalg.svd(R1 @ R2.T)
+        U, Vh = Q1 @ U, Vh @ Q2.T
+        shape = (delta.left.shape[0], delta.right.shape[1])
+    else:
+        out_dtype = dtype or delta.dtype
+        U, S, Vh = torch.linalg.svd(delta.double(), full_matrices=False)
+        shape = tuple(delta.shape)
+    in_precision = S.to(delta.left.dtype if isinstance(delta, FactoredResult) else delta.dtype)
+    rank = int((singular_value_floor(in_precision, shape) < in_precision).sum()) if S.numel() else 0
+    if max_rank is not None:
+        rank = min(rank, max_rank)
+    total = float((S**2).sum())
+    discarded = float((S[rank:] ** 2).sum()) / total if total > 0 else 0.0
+    root = S[:rank].sqrt()
+    return AdapterFactors((U[:, :rank] * root).to(out_dtype), (root[:, None] * Vh[:rank]).to(out_dtype), discarded)

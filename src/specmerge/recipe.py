@@ -119,6 +119,9 @@ class Recipe(BaseModel):
     compute_dtype: Literal["float32", "float64"] = "float32"
     device: str = "cpu"  # cpu, cuda, cuda:N, auto (cuda when available)
     shard_size: int | str = "5GB"  # bytes, or "500MB" / "2GB" (10**9) / "1.5GiB" (2**30)
+    # model: a merged model folder; lora: a PEFT adapter (every expert a LoRA adapter), exact unless max_rank
+    output_format: Literal["model", "lora"] = "model"
+    max_rank: int | None = Field(default=None, ge=1)  # lora output: truncate each module to this rank (SVD)
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -258,6 +261,12 @@ class Recipe(BaseModel):
         if isinstance(value, int | str):
             parse_size(value)
         return value
+
+    @model_validator(mode="after")
+    def _lora_only_options(self) -> Recipe:
+        if self.max_rank is not None and self.output_format != "lora":
+            raise RecipeError("max_rank applies only to output_format lora; remove it or set output_format: lora")
+        return self
 
 
 def default_expert_keys(experts: Sequence[str]) -> list[str]:

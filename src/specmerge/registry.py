@@ -71,6 +71,11 @@ class Method:
     params: tuple[Param, ...]
     context: frozenset[str]  # the reserved context keywords fn accepts
 
+    @property
+    def factored(self) -> bool:
+        """Whether the method merges the small cores of LoRA experts exactly (it takes ``full_shape``)."""
+        return "full_shape" in self.context
+
     def param(self, name: str) -> Param:
         for p in self.params:
             if p.name == name:

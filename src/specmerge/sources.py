@@ -348,6 +348,12 @@ def _open_folder(folder: Path) -> TensorSource:
         raise SourceError(f"{folder} holds several safetensors indexes ({', '.join(indexes)}); pass one of them")
     if (folder / "adapter_config.json").is_file():
         raise SourceError(f"{folder} is a PEFT adapter folder (adapter_config.json), not a full model checkpoint")
+    adapter_weights = [f for f in ("adapter_model.safetensors", "adapter_model.bin") if (folder / f).is_file()]
+    if adapter_weights:
+        raise SourceError(
+            f"{folder} holds {adapter_weights[0]} but no adapter_config.json: a PEFT adapter needs its config "
+            "(rank, alpha, target modules); copy it from where the adapter was saved"
+        )
     if len(files) == 1:
         return SafetensorsSource(folder, [folder / files[0]])
     if files:
