@@ -136,3 +136,10 @@ def test_bad_adapters_are_refused(tmp_path):
     assert config["peft_type"] == "LORA"
     with open_source(tmp_path / "a" / "adapter_model.safetensors") as weights:
         assert all(".lora_" in n for n in weights.infos())
+
+
+@pytest.mark.filterwarnings("ignore:Setting `save_embedding_layers`")
+def test_lora_on_embeddings_is_refused_clearly(tmp_path):
+    make_adapter(tiny_llama, tmp_path / "emb", seed=6, r=2, lora_alpha=4, target_modules=["embed_tokens", "q_proj"])
+    with pytest.raises(AdapterError, match="LoRA on an embedding layer, which is not supported"):
+        open_adapter(tmp_path / "emb")

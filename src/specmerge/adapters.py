@@ -99,6 +99,12 @@ class LoraAdapter:
 
     def _read_modules(self) -> dict[str, LoraModule]:
         factors: dict[str, dict[str, TensorInfo]] = {}
+        embedding = next((name for name in self._source.infos() if ".lora_embedding_" in name), None)
+        if embedding is not None:
+            raise AdapterError(
+                f"{self._source.path}: '{embedding}' is a LoRA on an embedding layer, which is not supported yet; "
+                "merge the adapter into the model with PEFT's merge_and_unload and pass the full checkpoint"
+            )
         for name, info in self._source.infos().items():
             match = _KEY.match(name)
             if match is None:
