@@ -96,3 +96,18 @@ def test_methods_without_a_factored_form_say_so():
     experts = adapters(2, 2, 8, 8, False, torch.float64)
     with pytest.raises(ValueError, match="cannot merge factored"):
         merge_factored("ties", experts)
+
+
+@pytest.mark.parametrize(("n", "r", "d_out", "d_in", "rslora"), CASES)
+def test_factored_spectrum_is_the_dense_spectrum(n, r, d_out, d_in, rslora):
+    """Every eigenvalue of C (the non-zero ones and the count of zeros), in float64."""
+    from specmerge.spectral import decompose, normal_equation
+
+    experts = adapters(n, r, d_out, d_in, rslora, torch.float64, seed=2)
+    dense = decompose(normal_equation(torch.stack([e.dense() for e in experts])))
+    _, _, cores = factor_cores(experts)
+    factored = decompose(normal_equation(cores), full_shape=(d_out, d_in))
+    assert factored.eigenvalues.shape == dense.eigenvalues.shape
+    assert factored.rank == dense.rank <= n * r
+    torch.testing.assert_close(factored.eigenvalues, dense.eigenvalues, rtol=1e-9, atol=1e-12)
+    assert (factored.n_rows, factored.n_cols) == (dense.n_rows, dense.n_cols)
