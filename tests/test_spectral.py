@@ -255,3 +255,29 @@ def test_generic_spectral_filter_method_is_the_same_code_path():
         get_method("swudi")(tau, t=50.0, rank_ratio=0.5).delta,
     )
     assert method(tau, filter="pinv", rank="ratio", rank_ratio=0.5).diagnostics["kept_rank"] == 6
+
+
+def test_shared_decompositions_reuse_one_eigh_and_change_nothing(monkeypatch):
+    from specmerge import spectral
+
+    g = torch.Generator().manual_seed(3)
+    tau = torch.randn(4, 12, 10, generator=g, dtype=torch.float64)
+    configs = [
+        ("swudi", {"rank_ratio": 0.5, "t": 100.0}),
+        ("swudi", {"rank_ratio": 0.8, "t": 1e4, "scale": 0.3}),
+        ("swudi_a", {"rule": "gavish_donoho"}),
+        ("closed_form", {}),
+        ("spectral_filter", {"filter": "tikhonov", "alpha": 0.1}),
+    ]
+    separate = [get_method(m)(tau, **p).delta for m, p in configs]
+    calls = []
+    eigh = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda x: calls.append(1) or eigh(x))
+    with spectral.shared_decompositions():
+        shared = [get_method(m)(tau, **p).delta for m, p in configs]
+        tau.mul_(2)  # an in-place edit: the next call decomposes again
+        edited = get_method("closed_form")(tau).delta
+    assert len(calls) == 2
+    for a, b in zip(shared, separate, strict=True):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(edited, 2 * separate[3])

@@ -9,8 +9,10 @@ SWUDI, SWUDI-A, the plain closed form D C^+ and the generic filter family are al
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Literal
 
@@ -241,14 +243,46 @@ def spectral_merge(
     are cores of larger layers (see :func:`decompose`), and so is the result.
     """
     start = initial_point(task_vectors, tau_init)
-    eq = normal_equation(task_vectors)
-    if eq.n_experts == 0:
+    eq, spectrum = _equation_and_spectrum(task_vectors, full_shape)
+    if spectrum is None:
         return LayerResult(torch.zeros_like(task_vectors[0]), {"n_experts": 0, "kept_rank": 0})
-    spectrum = decompose(eq, full_shape)
     filt, kept = make_filter(spectrum)
     gains = filt(spectrum.eigenvalues)
     tau_hat = filtered_solve(eq, spectrum, gains, start)
     return LayerResult(scale * tau_hat, spectrum_diagnostics(eq, spectrum, kept, gains))
+
+
+_SHARED: ContextVar[dict | None] = ContextVar("specmerge_shared_decompositions", default=None)
+
+
+@contextlib.contextmanager
+def shared_decompositions() -> Iterator[None]:
+    """Within this block, spectral methods called again on the same task-vector tensor reuse its decomposition.
+
+    For parameter sweeps (filters, rank rules, tau_init, scale): the normal equation and the
+    eigendecomposition of a layer are computed on the first call and reused while the tensor object
+    is unchanged (same object, no in-place edit). Results are identical to separate calls. The cache
+    lives until the block ends: open one block per layer.
+    """
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def _equation_and_spectrum(
+    task_vectors: torch.Tensor, full_shape: tuple[int, int] | None
+) -> tuple[NormalEquation, Spectrum | None]:
+    cache = _SHARED.get()
+    key = (id(task_vectors), task_vectors._version, full_shape)
+    if cache is not None and key in cache:
+        return cache[key][1:]
+    eq = normal_equation(task_vectors)
+    spectrum = decompose(eq, full_shape) if eq.n_experts else None
+    if cache is not None:
+        cache[key] = (task_vectors, eq, spectrum)  # the tensor is held so that its id stays unique
+    return eq, spectrum
 
 
 def spectrum_diagnostics(eq: NormalEquation, spectrum: Spectrum, kept: int | None, gains: torch.Tensor) -> dict:

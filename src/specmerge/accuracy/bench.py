@@ -1,0 +1,286 @@
+"""Selection, scoring and reporting of the accuracy benchmark: every method, hyperparameters chosen on val.
+
+For each training seed: the experts' deltas are merged with every candidate (:mod:`specmerge.accuracy.merging`),
+each candidate x final scale s is scored on the validation splits, each results row keeps the setting with
+the best mean validation accuracy over the tasks, and only that setting is scored on the test splits. Test
+accuracy is never used to choose anything. Every score is cached on disk (keyed by the experts, the
+candidate, the scale, the split and a hash of the merging code), so a rerun only computes what is missing.
+
+Grids (trimmed from the paper's; stated in BENCHMARKS.md): s in SCALES for every method; SWUDI r in SWUDI_R
+x t in SWUDI_T; the exponential-only filter t in SWUDI_T; WUDI (Adam, lr 1e-5) after WUDI_STEPS steps (one
+run with snapshots). Other parameters are the registry defaults (TIES top 20 %, DARE p = 0.5 seed 0,
+TSV-M k = floor(min(d)/N), OptMerge rank-k centred proxy 300 Adam steps, SWUDI-A tau_init = sum).
+
+Reported per method, mean +- std over seeds: average test accuracy over the tasks, normalised accuracy
+(mean over tasks of merged / expert accuracy) and gap closed (mean over tasks of (merged - base) /
+(expert - base)), and the per-task accuracies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import statistics
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specmerge.accuracy.merging import Candidate, MergedDeltas, StateDict, merge_candidates
+
+SCALES = (0.1, 0.2, 0.3, 0.5, 1.0)
+SWUDI_R = (0.55, 0.65, 0.75, 0.85)
+SWUDI_T = (300.0, 800.0, 1300.0, 1800.0)
+WUDI_STEPS = (100, 200, 300, 500, 700, 1000)
+
+Scorer = Callable[[StateDict, str], dict[str, float]]  # (state dict, "val" | "test") -> task -> accuracy
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the results table: the candidates whose best (on val) setting it reports."""
+
+    label: str
+    title: str
+    candidates: tuple[Candidate, ...]
+
+
+def _one(label: str, title: str, method: str, **params: Any) -> Row:
+    return Row(label, title, (Candidate(label, method, params),))
+
+
+def method_rows() -> list[Row]:
+    """The rows of the main table, in display order."""
+    return [
+        _one("weight_average", "Weight average", "weight_average"),
+        _one("task_arithmetic", "Task arithmetic", "task_arithmetic"),
+        _one("ties", "TIES (top 20 %)", "ties"),
+        _one("dare_task_arithmetic", "DARE-TA (p = 0.5)", "dare_task_arithmetic"),
+        _one("dare_ties", "DARE-TIES (p = 0.5)", "dare_ties"),
+        _one("tsv_m", "TSV-M", "tsv_m"),
+        _one("iso_c", "Iso-C", "iso_c"),
+        _one("closed_form", "D C⁺ (closed form)", "closed_form"),
+        _one("wudi", "WUDI (Adam, 300 steps)", "wudi", steps=300),
+        _one("optmerge", "OptMerge (300 steps)", "optmerge"),
+        Row(
+            "swudi",
+            "SWUDI (r, t on val)",
+            tuple(Candidate("swudi", "swudi", {"rank_ratio": r, "t": t}) for r in SWUDI_R for t in SWUDI_T),
+        ),
+        _one("swudi_a_psqrt", "SWUDI-A (psqrt)", "swudi_a", rule="psqrt"),
+        _one("swudi_a_gd", "SWUDI-A (Gavish–Donoho)", "swudi_a", rule="gavish_donoho"),
+        Row(
+            "exponential",
+            "Exponential filter, no truncation (t on val)",
+            tuple(Candidate("exponential", "spectral_filter", {"filter": "exponential", "t": t}) for t in SWUDI_T),
+        ),
+    ]
+
+
+def step_rows() -> list[Row]:
+    """The WUDI step sweep (and D C⁺, its limit)."""
+    rows = [_one(f"wudi_{s}", f"WUDI {s} steps", "wudi", steps=s) for s in WUDI_STEPS]
+    return [*rows, _one("closed_form", "D C⁺ (closed form)", "closed_form")]
+
+
+def code_key() -> str:
+    """A hash of the code that computes merges: cached scores are reused only while it is unchanged."""
+    root = Path(__file__).resolve().parents[1]
+    files = ["spectral.py", "filters.py", "rank_rules.py", "iterative.py", "baselines.py", "plan.py",
+             "accuracy/merging.py"]  # fmt: skip
+    digest = hashlib.sha256()
+    for name in files:
+        digest.update((root / name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+class ScoreCache:
+    """Scores on disk, one JSON file per (experts, code) key, rewritten atomically after each new score."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.scores: dict[str, dict[str, float]] = json.loads(path.read_text()) if path.is_file() else {}
+
+    def get(self, key: str, compute: Callable[[], dict[str, float]]) -> dict[str, float]:
+        if key not in self.scores:
+            self.scores[key] = compute()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
+                json.dump(self.scores, f, indent=0, sort_keys=True)
+            os.replace(f.name, self.path)
+        return self.scores[key]
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def evaluate_seed(
+    base: StateDict,
+    experts: Mapping[str, StateDict],
+    score: Scorer,
+    cache: ScoreCache,
+    *,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Every row for one set of experts (task -> expert state dict): chosen setting, val mean, test accuracies."""
+    tasks = list(experts)
+    rows = method_rows()
+    steps = step_rows()
+    everything = [c for row in rows + steps for c in row.candidates]
+    candidates = {c.key: c for c in everything if c.method != "wudi"}
+    wudi_steps = sorted({c.params["steps"] for c in everything if c.method == "wudi"})  # one run, snapshots
+    deltas = merge_candidates(
+        base, list(experts.values()), list(candidates.values()), expert_keys=tasks, wudi_steps=wudi_steps,
+        progress=progress,
+    )  # fmt: skip
+    result: dict[str, Any] = {
+        "tasks": tasks,
+        "base": {split: cache.get(f"base|{split}", lambda s=split: score(base, s)) for split in ("val", "test")},
+        "experts": {},
+        "rows": {},
+        "merge_seconds": deltas.seconds,
+    }
+    for task, state in experts.items():
+        own = {
+            split: cache.get(f"expert-{task}|{split}", lambda s=split, st=state: score(st, s))
+            for split in ("val", "test")
+        }
+        result["experts"][task] = {"val": own["val"][task], "test": own["test"][task], "all_test": own["test"]}
+    for row in rows + steps:
+        result["rows"][row.label] = choose(row, base, deltas, score, cache)
+    return result
+
+
+def choose(row: Row, base: StateDict, deltas: MergedDeltas, score: Scorer, cache: ScoreCache) -> dict[str, Any]:
+    """The (candidate, scale) of ``row`` with the best mean validation accuracy, and its test accuracies."""
+    best: tuple[float, Candidate, float] | None = None
+    for candidate in row.candidates:
+        for scale in SCALES:
+            val = cache.get(
+                f"{candidate.key}|{scale}|val", lambda c=candidate, s=scale: score(deltas.state(base, c, s), "val")
+            )
+            if best is None or _mean(list(val.values())) > best[0]:
+                best = (_mean(list(val.values())), candidate, scale)
+    assert best is not None
+    val_mean, candidate, scale = best
+    test = cache.get(f"{candidate.key}|{scale}|test", lambda: score(deltas.state(base, candidate, scale), "test"))
+    return {"title": row.title, "choice": candidate.describe(), "scale": scale, "val_mean": val_mean, "test": test,
+            "seconds": deltas.seconds.get(candidate.key)}  # fmt: skip
+
+
+def summarize(per_seed: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Mean and std over seeds of average accuracy, normalised accuracy and gap closed, per row."""
+    tasks = per_seed[0]["tasks"]
+
+    def stats(values: Sequence[float]) -> dict[str, float]:
+        return {"mean": _mean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0}
+
+    def figures(test_of: Callable[[Mapping[str, Any]], Mapping[str, float]]) -> dict[str, Any]:
+        avg, norm, gap = [], [], []
+        per_task: dict[str, list[float]] = {t: [] for t in tasks}
+        for seed in per_seed:
+            test = test_of(seed)
+            expert = {t: seed["experts"][t]["test"] for t in tasks}
+            base = seed["base"]["test"]
+            avg.append(_mean([test[t] for t in tasks]))
+            norm.append(_mean([test[t] / expert[t] for t in tasks]))
+            gap.append(_mean([(test[t] - base[t]) / (expert[t] - base[t]) if expert[t] != base[t] else math.nan
+                              for t in tasks]))  # fmt: skip
+            for t in tasks:
+                per_task[t].append(test[t])
+        return {"average": stats(avg), "normalised": stats(norm), "gap_closed": stats(gap),
+                "per_task": {t: stats(v) for t, v in per_task.items()}}  # fmt: skip
+
+    summary = {
+        "seeds": len(per_seed),
+        "tasks": tasks,
+        "base": figures(lambda s: s["base"]["test"]),
+        "experts": figures(lambda s: {t: s["experts"][t]["test"] for t in tasks}),
+        "rows": {},
+    }
+    for label, row in per_seed[0]["rows"].items():
+        summary["rows"][label] = {
+            "title": row["title"],
+            **figures(lambda s, lab=label: s["rows"][lab]["test"]),
+            "choices": [f"{s['rows'][label]['choice']}, s={s['rows'][label]['scale']}" for s in per_seed],
+        }
+    return summary
+
+
+def markdown(summary: Mapping[str, Any]) -> str:
+    """The results tables (main and WUDI step sweep) as Markdown, accuracies in percent."""
+    tasks = summary["tasks"]
+
+    def pm(stat: Mapping[str, float], factor: float = 100.0) -> str:
+        return f"{factor * stat['mean']:.1f} ± {factor * stat['std']:.1f}"
+
+    head = "| method | avg acc | normalised | gap closed | " + " | ".join(tasks) + " |"
+    lines = [head, "|---" + "|---:" * (3 + len(tasks)) + "|"]
+
+    def line(title: str, fig: Mapping[str, Any]) -> str:
+        cells = [pm(fig["average"]), pm(fig["normalised"]), pm(fig["gap_closed"])]
+        cells += [f"{100 * fig['per_task'][t]['mean']:.1f}" for t in tasks]
+        return f"| {title} | " + " | ".join(cells) + " |"
+
+    lines.append(line("Base model (probe heads)", summary["base"]))
+    lines.append(line("Individual experts", summary["experts"]))
+    sweep = {r.label for r in step_rows()}
+    for label, row in summary["rows"].items():
+        if label not in sweep or label == "closed_form":
+            lines.append(line(row["title"], row))
+    lines += ["", "| WUDI steps | avg acc | gap closed |", "|---|---:|---:|"]
+    for r in step_rows():
+        row = summary["rows"][r.label]
+        lines.append(f"| {row['title']} | {pm(row['average'])} | {pm(row['gap_closed'])} |")
+    lines += ["", "Chosen settings (per seed):", ""]
+    for row in summary["rows"].values():
+        lines.append(f"- {row['title']}: " + "; ".join(row["choices"]))
+    return "\n".join(lines) + "\n"
+
+
+def plots(summary: Mapping[str, Any], folder: Path) -> list[Path]:
+    """accuracy.png (average accuracy per method, mean ± std over seeds) and wudi_steps.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = {r.label for r in step_rows()} - {"closed_form"}
+    rows = [(r["title"], r["average"]) for lab, r in summary["rows"].items() if lab not in sweep]
+    rows.sort(key=lambda x: x[1]["mean"])
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.5))
+    ax.barh([t for t, _ in rows], [100 * s["mean"] for _, s in rows], xerr=[100 * s["std"] for _, s in rows],
+            color="tab:blue", alpha=0.8)  # fmt: skip
+    for value, name, style in ((summary["base"], "base", "--"), (summary["experts"], "experts", ":")):
+        ax.axvline(100 * value["average"]["mean"], color="k", linestyle=style, label=f"{name} (avg)")
+    low = min(100 * summary["base"]["average"]["mean"], *(100 * s["mean"] for _, s in rows)) - 3
+    ax.set_xlim(left=low)
+    ax.set_xlabel(
+        f"average test accuracy over {len(summary['tasks'])} tasks (%), mean ± std of {summary['seeds']} seeds"
+    )
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    out = [folder / "accuracy.png"]
+    fig.savefig(out[0], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    labels = [r.label for r in step_rows() if r.label != "closed_form"]
+    x = [int(label.split("_")[1]) for label in labels]
+    y = [100 * summary["rows"][lab]["average"]["mean"] for lab in labels]
+    e = [100 * summary["rows"][lab]["average"]["std"] for lab in labels]
+    ax.errorbar(x, y, yerr=e, marker="o", label="WUDI (Adam, lr 1e-5)")
+    closed = summary["rows"]["closed_form"]["average"]
+    ax.axhline(100 * closed["mean"], color="tab:red", linestyle="--", label="D C⁺ (closed form)")
+    ax.set_xlabel("WUDI optimizer steps")
+    ax.set_ylabel("average test accuracy (%)")
+    ax.legend()
+    fig.tight_layout()
+    out.append(folder / "wudi_steps.png")
+    fig.savefig(out[1], dpi=120)
+    plt.close(fig)
+    return out

@@ -1,0 +1,101 @@
+"""The accuracy benchmark's merge stage equals merging from files with `specmerge merge`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specmerge import get_method, methods
+from specmerge.accuracy.merging import Candidate, merge_candidates, wudi_snapshots
+from specmerge.api import merge
+from tiny_models import build_family
+
+KEYS = ["e0", "e1", "e2"]
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    base, experts = build_family(tmp_path_factory.mktemp("bert"), "bert", n_experts=3, seed=4)
+    return base, experts, load_file(base / "model.safetensors"), [load_file(e / "model.safetensors") for e in experts]
+
+
+CANDIDATES = [
+    Candidate("swudi", "swudi", {"rank_ratio": 0.5, "t": 300.0}),
+    Candidate("swudi", "swudi", {"rank_ratio": 0.8, "t": 1300.0}),
+    Candidate("swudi_a", "swudi_a", {"rule": "psqrt"}),
+    Candidate("closed_form", "closed_form", {}),
+    Candidate("ties", "ties", {}),
+    Candidate("dare_ties", "dare_ties", {}),
+    Candidate("task_arithmetic", "task_arithmetic", {}),
+]
+
+
+def test_candidates_equal_merges_from_files(bert, tmp_path):
+    base_dir, expert_dirs, base, experts = bert
+    deltas = merge_candidates(base, experts, CANDIDATES, expert_keys=KEYS, progress=False)
+    for candidate, scale in zip(CANDIDATES, (0.3, 1.0, 0.5, 0.2, 1.0, 0.7, 0.3), strict=True):
+        out = tmp_path / candidate.key
+        params = {**candidate.params, "scale": scale}
+        merge(base_dir, expert_dirs, out, method=candidate.method, params=params, expert_keys=KEYS, progress=False)
+        expected = load_file(out / "model.safetensors")
+        state = deltas.state(base, candidate, scale)
+        assert state.keys() == expected.keys()
+        for name, tensor in expected.items():
+            torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6, msg=f"{candidate.key} {name}")
+
+
+def test_wudi_snapshots_equal_separate_runs():
+    tau = torch.randn(3, 10, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    snapshots = wudi_snapshots(tau, [0, 2, 5], lr=1e-3)
+    for steps in (0, 2, 5):
+        torch.testing.assert_close(snapshots[steps], get_method("wudi")(tau, steps=steps, lr=1e-3).delta)
+
+
+@pytest.mark.parametrize("name", sorted(methods()))
+def test_every_method_is_linear_in_its_scale(name):
+    """What lets one delta per candidate serve the whole scale grid."""
+    tau = torch.randn(3, 10, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    method = get_method(name)
+    fast = {"steps": 3} if any(p.name == "steps" for p in method.params) else {}
+    one = method(tau, tensor_name="x", expert_keys=KEYS, **fast, scale=1.0).delta
+    for scale in (0.1, 0.3, 1.7):
+        torch.testing.assert_close(
+            method(tau, tensor_name="x", expert_keys=KEYS, **fast, scale=scale).delta, scale * one
+        )
+
+
+def test_selection_uses_val_only_and_scores_are_cached(bert, tmp_path, monkeypatch):
+    from specmerge.accuracy import bench
+
+    _, _, base, experts = bert
+    monkeypatch.setattr(bench, "SWUDI_R", (0.5, 0.8))
+    monkeypatch.setattr(bench, "SWUDI_T", (300.0,))
+    monkeypatch.setattr(bench, "WUDI_STEPS", (2, 3))
+    tasks = dict(zip(KEYS, experts, strict=True))
+    name = "encoder.layer.0.attention.self.query.weight"
+    calls = []
+
+    def score(state, split):  # val prefers states near expert e0 on this layer; test prefers the base
+        calls.append(split)
+        near = -float((state[name] - (experts[0] if split == "val" else base)[name]).norm())
+        return {t: near + i for i, t in enumerate(KEYS)}
+
+    cache = bench.ScoreCache(tmp_path / "scores.json")
+    result = bench.evaluate_seed(base, tasks, score, cache, progress=False)
+    for label, row in result["rows"].items():
+        best = max(
+            (sum(cache.scores[f"{c.key}|{s}|val"].values()) / 3, s)
+            for r in bench.method_rows() + bench.step_rows() if r.label == label
+            for c in r.candidates for s in bench.SCALES
+        )  # fmt: skip
+        assert row["val_mean"] == best[0], label
+    summary = bench.summarize([result, result])
+    assert summary["rows"]["ties"]["average"]["std"] == 0.0
+    assert "| TIES (top 20 %) |" in bench.markdown(summary)
+    n = len(calls)
+    again = bench.evaluate_seed(base, tasks, score, bench.ScoreCache(tmp_path / "scores.json"), progress=False)
+    assert len(calls) == n  # every score came from the cache
+    for label, row in again["rows"].items():
+        assert {**row, "seconds": None} == {**result["rows"][label], "seconds": None}
+    assert [p.name for p in bench.plots(summary, tmp_path)] == ["accuracy.png", "wudi_steps.png"]
