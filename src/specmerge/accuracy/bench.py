@@ -22,7 +22,6 @@ import hashlib
 import json
 import math
 import os
-import statistics
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -177,7 +176,10 @@ def summarize(per_seed: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     tasks = per_seed[0]["tasks"]
 
     def stats(values: Sequence[float]) -> dict[str, float]:
-        return {"mean": _mean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0}
+        """Mean and sample standard deviation (nan stays nan: a task whose expert equals the base)."""
+        mean = _mean(values)
+        var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+        return {"mean": mean, "std": math.sqrt(var)}
 
     def figures(test_of: Callable[[Mapping[str, Any]], Mapping[str, float]]) -> dict[str, Any]:
         avg, norm, gap = [], [], []
@@ -284,3 +286,77 @@ def plots(summary: Mapping[str, Any], folder: Path) -> list[Path]:
     fig.savefig(out[1], dpi=120)
     plt.close(fig)
     return out
+
+
+def run_benchmark(
+    cache_dir: str | Path,
+    seeds: Sequence[int] = (0, 1, 2),
+    *,
+    model_dir: str | Path | None = None,
+    manifest: Mapping[str, Any] | None = None,
+    steps: int = 800,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> tuple[dict[str, Any], Path]:
+    """The whole benchmark: data -> probes -> experts -> merges -> scores -> tables and plots, every stage cached.
+
+    Returns the summary and the results folder (``results.json``, ``results.md``, ``accuracy.png``,
+    ``wudi_steps.png``, ``timings.json``) under ``cache_dir/results/<experts key>-<code key>-seeds-...``.
+    ``model_dir`` / ``manifest`` replace the pinned MiniLM and the Debian-derived tasks (the tests use a tiny
+    BERT and a synthetic task set).
+    """
+    import time
+
+    from safetensors.torch import load_file
+
+    from specmerge.accuracy import model as accuracy_model
+
+    cache_dir = Path(cache_dir).resolve()
+    started = time.perf_counter()
+    built = accuracy_model.build_experts(cache_dir, seeds, steps=steps, model_dir=model_dir, manifest=manifest, log=log)
+    prepared = time.perf_counter() - started
+    base_model, _ = accuracy_model.load_base(model_dir)
+    base = {k: v.detach().clone() for k, v in base_model.state_dict().items()}
+    tasks_encoded = accuracy_model.load_encoded(built["paths"]["tokens"])
+    heads = accuracy_model.load_heads(built["paths"]["heads"])
+
+    def score(state: StateDict, split: str) -> dict[str, float]:
+        return accuracy_model.evaluate(state, tasks_encoded, heads, split, scratch=base_model)
+
+    experts_key = Path(next(iter(built["paths"]["experts"][seeds[0]].values()))).parents[1].name
+    per_seed, seconds = [], {"build (data, probes, experts)": prepared}
+    for seed in seeds:
+        start = time.perf_counter()
+        experts = {}
+        for task, folder in built["paths"]["experts"][seed].items():
+            state = load_file(Path(folder) / "model.safetensors")
+            experts[task] = {name: state[name] for name in base}
+        cache = ScoreCache(cache_dir / "scores" / experts_key / f"seed{seed}-{code_key()}.json")
+        per_seed.append(evaluate_seed(base, experts, score, cache, progress=progress))
+        seconds[f"merge and score, seed {seed}"] = time.perf_counter() - start
+        log(f"seed {seed}: merged and scored in {seconds[f'merge and score, seed {seed}']:.0f} s")
+    summary = summarize(per_seed)
+    folder = cache_dir / "results" / f"{experts_key}-{code_key()}-seeds-{'-'.join(map(str, seeds))}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps({"summary": summary, "per_seed": per_seed}, indent=1))
+    (folder / "results.md").write_text(markdown(summary))
+    seconds["total"] = time.perf_counter() - started
+    (folder / "timings.json").write_text(json.dumps({"seconds": seconds, "build": built["seconds"]}, indent=1))
+    plots(summary, folder)
+    return summary, folder
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``specmerge bench accuracy --cache DIR [--seeds 0 1 2]``: run (or re-score) and print the tables."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="specmerge bench accuracy", description=__doc__.split("\n")[0])
+    parser.add_argument("--cache", required=True, type=Path, help="cache folder: sources, tasks, experts, scores")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds (default 0 1 2)")
+    parser.add_argument("--steps", type=int, default=800, help="fine-tuning steps per expert (default 800)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    summary, folder = run_benchmark(args.cache, args.seeds, steps=args.steps, progress=not args.quiet)
+    print(markdown(summary))
+    print(f"results, plots and timings: {folder}")
+    return 0

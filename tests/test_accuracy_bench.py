@@ -1,0 +1,32 @@
+"""The whole accuracy benchmark, end to end, on a tiny BERT and two keyword tasks (no apt, no MiniLM)."""
+
+import json
+
+from specmerge.accuracy import bench
+from specmerge.accuracy import model as accuracy_model
+from test_accuracy_model import tiny_model_dir, world  # noqa: F401  (fixtures)
+
+
+def test_benchmark_end_to_end_and_rescoring_from_the_cache(world, tiny_model_dir, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(bench, "SWUDI_R", (0.5,))
+    monkeypatch.setattr(bench, "SWUDI_T", (300.0, 1300.0))
+    monkeypatch.setattr(bench, "WUDI_STEPS", (2, 300))
+    monkeypatch.setattr(bench, "SCALES", (0.3, 1.0))
+    run = {"model_dir": tiny_model_dir, "manifest": world["manifest"], "steps": 5, "progress": False}
+    summary, folder = bench.run_benchmark(world["cache"], (0, 1), log=lambda line: None, **run)
+    assert {p.name for p in folder.iterdir()} >= {"results.json", "results.md", "accuracy.png", "wudi_steps.png"}
+    assert summary["seeds"] == 2 and set(summary["tasks"]) == {"colour", "shape"}
+    table = (folder / "results.md").read_text()
+    for row in bench.method_rows():
+        assert f"| {row.title} |" in table
+        figures = summary["rows"][row.label]
+        assert 0 <= figures["average"]["mean"] <= 1 and len(figures["choices"]) == 2
+    per_seed = json.loads((folder / "results.json").read_text())["per_seed"]
+    chosen = per_seed[0]["rows"]["swudi"]["choice"]
+    assert "rank_ratio=0.5" in chosen and ("t=300.0" in chosen or "t=1300.0" in chosen)
+
+    calls = []
+    evaluate = accuracy_model.evaluate
+    monkeypatch.setattr(accuracy_model, "evaluate", lambda *a, **k: calls.append(1) or evaluate(*a, **k))
+    again, _ = bench.run_benchmark(world["cache"], (0, 1), log=lambda line: None, **run)
+    assert calls == [] and again["rows"]["tsv_m"]["average"] == summary["rows"]["tsv_m"]["average"]
