@@ -1,0 +1,675 @@
+"""Model stage of the offline accuracy benchmark: frozen probe heads, one fine-tuned expert per task, scoring.
+
+Protocol (one base encoder, the pinned all-MiniLM-L6-v2 ``BertModel`` without its pooler):
+
+- **Inputs.** Texts are tokenized once, truncated and padded to ``max_length`` (32) tokens, single segment
+  (no ``token_type_ids``: ``BertModel`` uses zeros). A forward pass sorts the texts by length and cuts each
+  batch to its longest row; padding never reaches the pooled features.
+- **Features.** Mean of the last hidden states over the attention mask, in float32. Forward passes run under
+  bfloat16 autocast by default (``autocast=True``): on CPUs with bf16 support that is about 4× faster than
+  float32, and the benchmark fits, trains and scores with the same setting, so the heads see the model they
+  are used with.
+- **Heads.** Per task a multinomial logistic regression on the base model's features (``fit_probe``), fitted
+  on train, L2 strength chosen on val; standardisation is folded into the weights, so a ``Head`` maps raw
+  pooled features to logits. Heads stay frozen afterwards.
+- **Experts.** ``train_expert`` fine-tunes the encoder's ``nn.Linear`` weights and biases only (36 in MiniLM;
+  embeddings and LayerNorms stay bit-identical to the base), minimising the frozen head's cross-entropy with
+  AdamW, linear warmup then linear decay to zero, dropout on. Weight decay defaults to 0: AdamW's decay pulls
+  weights toward zero, which would add the same task-independent ``-c·W_base`` component to every task vector.
+- **Scores.** Accuracy of ``argmax(head(features))`` per task (``evaluate``), on val (for choices) or test.
+
+Cache layout under ``cache_dir`` (``build_experts``); each ``<key>`` is the first 16 hex digits of a SHA-256
+over the stage's inputs (upstream key, input file hashes, settings, library versions and the source of the
+functions that compute it), so a rerun with the same inputs only reads files:
+
+- ``tokens/<key>/encoded.safetensors``: ``<task>/<split>/{input_ids,attention_mask,labels}``; ``tokens.json``.
+- ``probes/<key>/heads.safetensors``: ``<task>/{weight,bias}``; ``probes.json``: chosen L2, val accuracy per
+  L2, base val / test accuracy per task, times.
+- ``experts/<key>/seed<k>/<task>/``: ``model.safetensors`` (the full ``BertModel`` state dict, float32) and
+  ``config.json`` (a Hugging Face folder, like the base model's), ``scores.json`` (val / test accuracy on every
+  task, times); ``experts/<key>/summary-seeds-<k,...>.json``: what ``build_experts`` returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import inspect
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+import transformers
+from torch import Tensor
+
+from specmerge.accuracy import data
+
+MAX_LENGTH = 32
+L2_GRID = (1.0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6)
+EVAL_SPLITS = ("val", "test")
+# Keys of a saved BertModel that the pooler-less model does not hold; dropped when loading a state.
+IGNORED_KEYS = ("pooler.dense.weight", "pooler.dense.bias", "embeddings.position_ids")
+# Files of a model folder that fix its outputs (the ones present are hashed into cache keys).
+MODEL_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+)
+
+
+@dataclass(frozen=True)
+class EncodedSplit:
+    """One tokenized split: ``input_ids`` and ``attention_mask`` (int64, n × max_length), ``labels`` (int64, n)."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    labels: Tensor
+
+    @property
+    def inputs(self) -> dict[str, Tensor]:
+        """The model inputs, as ``encode`` returns them."""
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+@dataclass(frozen=True)
+class Head:
+    """A linear classifier on raw pooled features: ``logits = features @ weight.T + bias``.
+
+    ``weight`` is n_classes × hidden, ``bias`` n_classes, both float32; ``l2`` records the L2 strength it was
+    fitted with (provenance only).
+    """
+
+    weight: Tensor
+    bias: Tensor
+    l2: float
+
+    def logits(self, features: Tensor) -> Tensor:
+        """Class logits of float32 features (n × hidden)."""
+        return features @ self.weight.T + self.bias
+
+
+# ------------------------------------------------------------------------------------------ model, inputs
+
+
+def load_base(
+    model_dir: str | Path | None = None,
+) -> tuple[transformers.BertModel, transformers.PreTrainedTokenizerBase]:
+    """The base encoder (``BertModel`` without pooler, float32, eval mode) and its tokenizer, from one folder.
+
+    ``model_dir`` defaults to the pinned MiniLM (``data.load_base_model_path``, hashes checked). Files are read
+    locally only; ``HF_HUB_OFFLINE=1`` is set for the rest of the process.
+    """
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    folder = Path(model_dir) if model_dir is not None else data.load_base_model_path()
+    config = transformers.BertConfig.from_pretrained(folder, local_files_only=True)
+    model = transformers.BertModel(config, add_pooling_layer=False)
+    load_state(model, safetensors.torch.load_file(folder / "model.safetensors"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return model.eval(), tokenizer
+
+
+def load_state(model: transformers.BertModel, state: Mapping[str, Tensor]) -> None:
+    """Copy ``state`` (``BertModel.state_dict()`` names, any float dtype) into ``model`` in place.
+
+    Pooler weights and ``embeddings.position_ids`` (present in files saved with a pooler) are ignored; any
+    other missing or unknown name is an error.
+    """
+    kept = {name: tensor for name, tensor in state.items() if name not in IGNORED_KEYS}
+    expected = model.state_dict().keys()
+    missing, unknown = sorted(expected - kept.keys()), sorted(kept.keys() - expected)
+    if missing or unknown:
+        raise ValueError(
+            f"state does not fit the encoder: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unknown {unknown[:5]}{'...' if len(unknown) > 5 else ''}; pass a BertModel.state_dict()"
+        )
+    model.load_state_dict(kept, strict=True)
+
+
+def encode(
+    tokenizer: transformers.PreTrainedTokenizerBase, texts: Sequence[str], max_length: int = MAX_LENGTH
+) -> dict[str, Tensor]:
+    """``input_ids`` and ``attention_mask`` (int64, len(texts) × max_length): truncated, right-padded to max_length."""
+    batch = tokenizer(list(texts), max_length=max_length, truncation=True, padding="max_length", return_tensors="pt")
+    return {"input_ids": batch["input_ids"].long(), "attention_mask": batch["attention_mask"].long()}
+
+
+def mean_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:
+    """Mean of ``hidden`` (n × length × hidden) over the positions where ``attention_mask`` is 1, in float32."""
+    mask = attention_mask.unsqueeze(-1).to(torch.float32)
+    return (hidden.to(torch.float32) * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+
+
+def _forward_pooled(model: transformers.BertModel, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """Pooled features of one batch, cut to its longest row."""
+    length = int(attention_mask.sum(1).max())
+    mask = attention_mask[:, :length]
+    hidden = model(input_ids=input_ids[:, :length], attention_mask=mask).last_hidden_state
+    return mean_pool(hidden, mask)
+
+
+def pooled_features(
+    model: transformers.BertModel, encoded: Mapping[str, Tensor], batch_size: int = 256, autocast: bool = True
+) -> Tensor:
+    """Mean-pooled last hidden states (float32, n × hidden) of ``encoded`` inputs, in eval mode, without grad.
+
+    Rows are batched in order of length (stable), so a row's result depends only on the inputs and the batch
+    size. ``autocast`` runs the forward under bfloat16 autocast. The model's train / eval mode is restored.
+    """
+    input_ids, attention_mask = encoded["input_ids"], encoded["attention_mask"]
+    order = torch.argsort(attention_mask.sum(1), stable=True)
+    out = torch.empty(len(input_ids), model.config.hidden_size)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        for start in range(0, len(order), batch_size):
+            rows = order[start : start + batch_size]
+            out[rows] = _forward_pooled(model, input_ids[rows], attention_mask[rows])
+    model.train(was_training)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ probes
+
+
+def accuracy(head: Head, features: Tensor, labels: Tensor) -> float:
+    """Fraction of rows whose argmax logit is the label."""
+    return float((head.logits(features).argmax(1) == labels).to(torch.float64).mean())
+
+
+def fit_logistic(features: Tensor, labels: Tensor, l2: float, init: Head | None = None) -> Head:
+    """Multinomial logistic regression: minimise mean cross-entropy + ``l2``/2 · ||W||² on standardised features.
+
+    Features are standardised per dimension (train mean and std) for conditioning, and the scaling is folded
+    back, so the returned head acts on raw features and the penalty is on the standardised weights. Full-batch
+    L-BFGS (strong Wolfe) in float64 from zero, or from ``init`` (a head fitted on the same features); the
+    bias is not penalised. Deterministic.
+    """
+    x = features.to(torch.float64)
+    mean, std = x.mean(0), x.std(0).clamp(min=1e-6)
+    z = (x - mean) / std
+    n_classes = int(labels.max()) + 1
+    if init is None:
+        weight = torch.zeros(n_classes, x.shape[1], dtype=torch.float64)
+        bias = torch.zeros(n_classes, dtype=torch.float64)
+    else:  # unfold init back to standardised coordinates
+        weight = init.weight.to(torch.float64) * std
+        bias = init.bias.to(torch.float64) + init.weight.to(torch.float64) @ mean
+    weight.requires_grad_(True)
+    bias.requires_grad_(True)
+    optimizer = torch.optim.LBFGS(
+        [weight, bias],
+        lr=1.0,
+        max_iter=500,
+        history_size=20,
+        tolerance_grad=1e-8,
+        tolerance_change=1e-12,
+        line_search_fn="strong_wolfe",
+    )
+
+    def closure() -> Tensor:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(z @ weight.T + bias, labels) + 0.5 * l2 * weight.pow(2).sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    weight, bias = weight.detach() / std, bias.detach()
+    return Head(weight=weight.float(), bias=(bias - weight @ mean).float(), l2=l2)
+
+
+def fit_probe(
+    train_features: Tensor,
+    train_labels: Tensor,
+    val_features: Tensor,
+    val_labels: Tensor,
+    l2_grid: Sequence[float] = L2_GRID,
+) -> Head:
+    """The ``fit_logistic`` head with the best val accuracy over ``l2_grid`` (ties: the stronger L2).
+
+    The grid is fitted from the strongest L2 down, each fit warm-started from the previous one.
+    """
+    best, best_accuracy, previous = None, -1.0, None
+    for l2 in sorted(l2_grid, reverse=True):
+        previous = fit_logistic(train_features, train_labels, l2, init=previous)
+        score = accuracy(previous, val_features, val_labels)
+        if score > best_accuracy:
+            best, best_accuracy = previous, score
+    if best is None:
+        raise ValueError("l2_grid is empty")
+    return best
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+
+
+def evaluate(
+    model_or_state: transformers.BertModel | Mapping[str, Tensor],
+    tasks_encoded: Mapping[str, Mapping[str, EncodedSplit]],
+    heads: Mapping[str, Head],
+    split: str,
+    *,
+    scratch: transformers.BertModel | None = None,
+    batch_size: int = 256,
+    autocast: bool = True,
+) -> dict[str, float]:
+    """Accuracy per task of ``tasks_encoded`` on ``split``, each scored with ``heads[task]``.
+
+    ``model_or_state`` is a ``BertModel`` (used as is; its train / eval mode is restored) or a state dict with
+    ``BertModel.state_dict()`` names, which is copied into ``scratch`` (a model of the same config whose
+    weights are overwritten; reuse one across calls). ``autocast`` as in ``pooled_features``.
+    """
+    if isinstance(model_or_state, transformers.BertModel):
+        model = model_or_state
+    elif scratch is None:
+        raise ValueError("evaluate got a state dict: pass scratch=<BertModel of the same config> to load it into")
+    else:
+        load_state(scratch, model_or_state)
+        model = scratch
+    scores = {}
+    for task, splits in tasks_encoded.items():
+        encoded = splits[split]
+        features = pooled_features(model, encoded.inputs, batch_size=batch_size, autocast=autocast)
+        scores[task] = accuracy(heads[task], features, encoded.labels)
+    return scores
+
+
+# ------------------------------------------------------------------------------------------------ experts
+
+
+def encoder_linear_parameters(model: transformers.BertModel) -> dict[str, torch.nn.Parameter]:
+    """Weights and biases of the ``nn.Linear`` modules inside ``model.encoder``, by state-dict name."""
+    return {
+        f"encoder.{module_name}.{name}": parameter
+        for module_name, module in model.encoder.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        for name, parameter in module.named_parameters(recurse=False)
+    }
+
+
+def warmup_linear_decay(step: int, steps: int, warmup_steps: int) -> float:
+    """Learning-rate factor of optimizer step ``step`` (0-based): linear up to 1 over ``warmup_steps``, then to 0."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    return max(0.0, (steps - step) / max(1, steps - warmup_steps))
+
+
+def train_expert(
+    base_model: transformers.BertModel,
+    train: EncodedSplit,
+    head: Head,
+    seed: int,
+    steps: int = 800,
+    lr: float = 1e-4,
+    batch_size: int = 32,
+    warmup: float = 0.1,
+    weight_decay: float = 0.0,
+    autocast: bool = True,
+) -> dict[str, Tensor]:
+    """Fine-tune a copy of ``base_model`` on ``train`` through the frozen ``head``; return its full state dict.
+
+    Only ``encoder_linear_parameters`` are trained (AdamW, ``lr`` with ``warmup`` × steps of linear warmup then
+    linear decay to zero, dropout on); every other tensor of the returned float32 state equals the base's.
+    Batches walk through a fresh permutation of ``train`` per epoch. ``seed`` fixes the batch order and dropout
+    (in a forked RNG: the global RNG is untouched), so equal inputs give an identical state. ``base_model`` is
+    not modified.
+    """
+    model = copy.deepcopy(base_model)
+    model.requires_grad_(False)
+    trainable = encoder_linear_parameters(model)
+    for parameter in trainable.values():
+        parameter.requires_grad_(True)
+    optimizer = torch.optim.AdamW(trainable.values(), lr=lr, weight_decay=weight_decay)
+    warmup_steps = round(warmup * steps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_linear_decay(step, steps, warmup_steps))
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.empty(0, dtype=torch.long)
+    model.train()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for _ in range(steps):
+            if len(order) < batch_size:
+                order = torch.cat([order, torch.randperm(len(train), generator=generator)])
+            rows, order = order[:batch_size], order[batch_size:]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                features = _forward_pooled(model, train.input_ids[rows], train.attention_mask[rows])
+            loss = torch.nn.functional.cross_entropy(head.logits(features), train.labels[rows])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+    return {name: tensor.detach().to(torch.float32).clone() for name, tensor in model.state_dict().items()}
+
+
+# ------------------------------------------------------------------------------------------- cached driver
+
+
+def _digest(inputs: object) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def _code(*functions: Callable) -> str:
+    """SHA-256 of the source of the functions (and classes) a stage's output depends on."""
+    return _digest([inspect.getsource(function) for function in functions])
+
+
+def _model_files(folder: Path) -> dict[str, str]:
+    return {name: data.sha256_file(folder / name) for name in MODEL_FILES if (folder / name).is_file()}
+
+
+def _publish(staging: Path, final: Path) -> None:
+    """Move a finished staging folder into place (a concurrent identical build may have won: keep that one)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(staging, final)
+    except OSError:
+        shutil.rmtree(staging)
+
+
+def _staging(final: Path) -> Path:
+    staging = final.parent / f".{final.name}.{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _took(cached: bool, seconds: float) -> str:
+    return "cached" if cached else f"{seconds:.1f} s"
+
+
+def _write_json(path: Path, value: object) -> None:
+    path.write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def save_encoded(tasks_encoded: Mapping[str, Mapping[str, EncodedSplit]], path: Path) -> None:
+    """Write tokenized tasks as safetensors (``<task>/<split>/{input_ids,attention_mask,labels}``; task order in
+    the metadata)."""
+    tensors = {
+        f"{task}/{split}/{field}": getattr(encoded, field).contiguous()
+        for task, splits in tasks_encoded.items()
+        for split, encoded in splits.items()
+        for field in ("input_ids", "attention_mask", "labels")
+    }
+    safetensors.torch.save_file(tensors, path, metadata={"tasks": json.dumps(list(tasks_encoded))})
+
+
+def load_encoded(path: str | Path) -> dict[str, dict[str, EncodedSplit]]:
+    """Tokenized tasks written by ``save_encoded``: task -> split -> ``EncodedSplit``, tasks in the saved order."""
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        tasks = json.loads(f.metadata()["tasks"])
+        grouped: dict[str, dict[str, dict[str, Tensor]]] = {task: {} for task in tasks}
+        for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+            task, split, field = name.split("/")
+            grouped[task].setdefault(split, {})[field] = f.get_tensor(name)
+    return {
+        task: {split: EncodedSplit(**fields) for split, fields in splits.items()} for task, splits in grouped.items()
+    }
+
+
+def save_heads(heads: Mapping[str, Head], path: Path) -> None:
+    """Write heads as safetensors (``<task>/weight``, ``<task>/bias``; L2 strengths in the metadata)."""
+    tensors = {
+        f"{task}/{field}": getattr(head, field).contiguous()
+        for task, head in heads.items()
+        for field in ("weight", "bias")
+    }
+    safetensors.torch.save_file(tensors, path, metadata={"l2": json.dumps({t: h.l2 for t, h in heads.items()})})
+
+
+def load_heads(path: str | Path) -> dict[str, Head]:
+    """Heads written by ``save_heads``: task -> ``Head``."""
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        l2 = json.loads(f.metadata()["l2"])
+        return {task: Head(f.get_tensor(f"{task}/weight"), f.get_tensor(f"{task}/bias"), l2[task]) for task in l2}
+
+
+def _tokens_stage(
+    cache_dir: Path, manifest: Mapping, tokenizer_files: Mapping[str, str], tokenizer
+) -> tuple[Path, dict]:
+    inputs = {
+        "splits": {task: entry["splits"] for task, entry in manifest["tasks"].items()},
+        "tokenizer": tokenizer_files,
+        "max_length": MAX_LENGTH,
+        "transformers": transformers.__version__,
+        "code": _code(encode, EncodedSplit, save_encoded),
+    }
+    final = cache_dir / "tokens" / _digest(inputs)[:16]
+    if (final / "tokens.json").is_file():
+        return final, {**_read_json(final / "tokens.json"), "cached": True}
+    start = time.perf_counter()
+    tasks_encoded = {}
+    for task in manifest["tasks"]:
+        tasks_encoded[task] = {}
+        for split in data.SPLITS:
+            rows = data.read_split(cache_dir / manifest["tasks_dir"] / task / f"{split}.jsonl")
+            encoded = encode(tokenizer, [text for text, _ in rows])
+            labels = torch.tensor([label for _, label in rows], dtype=torch.long)
+            tasks_encoded[task][split] = EncodedSplit(encoded["input_ids"], encoded["attention_mask"], labels)
+    staging = _staging(final)
+    save_encoded(tasks_encoded, staging / "encoded.safetensors")
+    record = {"inputs": inputs, "seconds": time.perf_counter() - start}
+    _write_json(staging / "tokens.json", record)
+    _publish(staging, final)
+    return final, {**record, "cached": False}
+
+
+def _probes_stage(
+    cache_dir: Path, tokens_dir: Path, model_files: Mapping[str, str], base: transformers.BertModel, tasks_encoded
+) -> tuple[Path, dict]:
+    inputs = {
+        "tokens": tokens_dir.name,
+        "model": model_files,
+        "l2_grid": list(L2_GRID),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "code": _code(mean_pool, _forward_pooled, pooled_features, accuracy, fit_logistic, fit_probe),
+    }
+    final = cache_dir / "probes" / _digest(inputs)[:16]
+    if (final / "probes.json").is_file():
+        return final, {**_read_json(final / "probes.json"), "cached": True}
+    heads, tasks, feature_seconds, fit_seconds = {}, {}, 0.0, 0.0
+    for task, splits in tasks_encoded.items():
+        start = time.perf_counter()
+        train = pooled_features(base, splits["train"].inputs)
+        val = pooled_features(base, splits["val"].inputs)
+        fitted = time.perf_counter()
+        heads[task] = fit_probe(train, splits["train"].labels, val, splits["val"].labels)
+        feature_seconds += fitted - start
+        fit_seconds += time.perf_counter() - fitted
+        tasks[task] = {"l2": heads[task].l2, "train": accuracy(heads[task], train, splits["train"].labels)}
+    start = time.perf_counter()
+    base_scores = {split: evaluate(base, tasks_encoded, heads, split) for split in EVAL_SPLITS}
+    eval_seconds = time.perf_counter() - start
+    eval_sentences = sum(len(splits[split]) for splits in tasks_encoded.values() for split in EVAL_SPLITS)
+    for task in tasks:
+        tasks[task].update({split: base_scores[split][task] for split in EVAL_SPLITS})
+    record = {
+        "inputs": inputs,
+        "tasks": tasks,
+        "seconds": {"features": feature_seconds, "fit": fit_seconds, "base_eval": eval_seconds},
+        "eval_sentences_per_second": eval_sentences / eval_seconds,
+    }
+    staging = _staging(final)
+    save_heads(heads, staging / "heads.safetensors")
+    _write_json(staging / "probes.json", record)
+    _publish(staging, final)
+    return final, {**record, "cached": False}
+
+
+def _expert(
+    folder: Path,
+    base: transformers.BertModel,
+    scratch: transformers.BertModel,
+    tasks_encoded,
+    heads: Mapping[str, Head],
+    task: str,
+    seed: int,
+    hyper: Mapping,
+) -> dict:
+    if (folder / "scores.json").is_file():
+        return {**_read_json(folder / "scores.json"), "cached": True}
+    start = time.perf_counter()
+    state = train_expert(base, tasks_encoded[task]["train"], heads[task], seed, **hyper)
+    trained = time.perf_counter()
+    scores = {split: evaluate(state, tasks_encoded, heads, split, scratch=scratch) for split in EVAL_SPLITS}
+    record = {"seconds": {"train": trained - start, "eval": time.perf_counter() - trained}, **scores}
+    staging = _staging(folder)
+    safetensors.torch.save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
+    base.config.to_json_file(staging / "config.json")
+    _write_json(staging / "scores.json", record)
+    _publish(staging, folder)
+    return {**record, "cached": False}
+
+
+def build_experts(
+    cache_dir: str | Path,
+    seeds: Sequence[int] = (0,),
+    steps: int = 800,
+    lr: float = 1e-4,
+    batch_size: int = 32,
+    warmup: float = 0.1,
+    weight_decay: float = 0.0,
+    *,
+    model_dir: str | Path | None = None,
+    manifest: Mapping | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict:
+    """Build (or read from the cache) tokens, probe heads and one expert per (seed, task); return a summary.
+
+    ``manifest`` defaults to ``data.build_tasks(cache_dir)`` (its ``tasks_dir`` is relative to ``cache_dir``);
+    ``model_dir`` to the pinned base model. ``log`` receives one line per stage. The summary (also written to
+    ``experts/<key>/summary-seeds-<seeds>.json``) holds the cache ``paths`` (``tokens``: the encoded file,
+    ``heads``, ``experts``: seed -> task -> folder), ``probes`` (per task chosen L2 and base train / val / test
+    accuracy), ``experts`` (seed -> task -> val / test accuracy on every task and seconds), ``seconds`` per
+    stage as measured when it was built, ``cached`` flags, and ``eval_sentences_per_second``.
+    """
+    cache_dir = Path(cache_dir).resolve()
+    say = log or (lambda line: None)
+    manifest = manifest if manifest is not None else data.build_tasks(cache_dir)
+    base_dir = Path(model_dir) if model_dir is not None else data.load_base_model_path()
+    model_files = _model_files(base_dir)
+    base, tokenizer = load_base(base_dir)
+
+    tokenizer_files = {
+        name: sha for name, sha in model_files.items() if name not in ("config.json", "model.safetensors")
+    }
+    tokens_dir, tokens = _tokens_stage(cache_dir, manifest, tokenizer_files, tokenizer)
+    say(f"tokens {tokens_dir} ({_took(tokens['cached'], tokens['seconds'])})")
+    tasks_encoded = load_encoded(tokens_dir / "encoded.safetensors")
+
+    probes_dir, probes = _probes_stage(cache_dir, tokens_dir, model_files, base, tasks_encoded)
+    heads = load_heads(probes_dir / "heads.safetensors")
+    say(f"probes {probes_dir} ({_took(probes['cached'], sum(probes['seconds'].values()))})")
+
+    hyper = {
+        "steps": steps,
+        "lr": lr,
+        "batch_size": batch_size,
+        "warmup": warmup,
+        "weight_decay": weight_decay,
+        "autocast": True,
+    }
+    inputs = {
+        "probes": probes_dir.name,
+        "hyper": hyper,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "code": _code(_forward_pooled, mean_pool, encoder_linear_parameters, warmup_linear_decay, train_expert),
+    }
+    experts_dir = cache_dir / "experts" / _digest(inputs)[:16]
+    experts_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(experts_dir / "inputs.json", inputs)
+    scratch = copy.deepcopy(base)
+    experts, paths = {}, {}
+    for seed in seeds:
+        experts[seed], paths[seed] = {}, {}
+        for task in tasks_encoded:
+            folder = experts_dir / f"seed{seed}" / task
+            record = _expert(folder, base, scratch, tasks_encoded, heads, task, seed, hyper)
+            experts[seed][task], paths[seed][task] = record, str(folder)
+            gap = record["val"][task] - probes["tasks"][task]["val"]
+            timing = _took(record["cached"], record["seconds"]["train"])
+            say(f"expert seed {seed} {task}: val {record['val'][task]:.3f}, {gap:+.3f} over base ({timing})")
+
+    summary = {
+        "tasks": list(tasks_encoded),
+        "hyper": hyper,
+        "paths": {
+            "tokens": str(tokens_dir / "encoded.safetensors"),
+            "heads": str(probes_dir / "heads.safetensors"),
+            "experts": paths,
+        },
+        "probes": probes["tasks"],
+        "experts": experts,
+        "seconds": {"tokenize": tokens["seconds"], **probes["seconds"]},
+        "cached": {"tokens": tokens["cached"], "probes": probes["cached"]},
+        "eval_sentences_per_second": probes["eval_sentences_per_second"],
+    }
+    _write_json(experts_dir / f"summary-seeds-{','.join(map(str, seeds))}.json", summary)
+    return summary
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m specmerge.accuracy.model --cache DIR [--seeds 0 1 2] [--steps 800] [--lr 1e-4]``: build, print."""
+    parser = argparse.ArgumentParser(prog="python -m specmerge.accuracy.model", description=__doc__.split("\n")[0])
+    parser.add_argument("--cache", required=True, type=Path, help="cache directory (as for specmerge.accuracy.data)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds (default 0)")
+    parser.add_argument("--steps", type=int, default=800, help="optimizer steps per expert (default 800)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
+    args = parser.parse_args(argv)
+    try:
+        summary = build_experts(
+            args.cache, args.seeds, steps=args.steps, lr=args.lr, log=lambda line: print(line, file=sys.stderr)
+        )
+    except (data.AccuracyDataError, OSError, ValueError) as err:
+        print(f"specmerge.accuracy.model: error: {err}", file=sys.stderr)
+        return 2
+    seeds = args.seeds
+    header = f"{'task':<28} {'base':>6} " + " ".join(f"{f'seed{s}':>6}" for s in seeds) + f" {'expert':>6} {'gap':>6}"
+    print("test accuracy (expert: mean over seeds, on its own task)")
+    print(header)
+    rows = []
+    for task in summary["tasks"]:
+        base = summary["probes"][task]["test"]
+        per_seed = [summary["experts"][seed][task]["test"][task] for seed in seeds]
+        rows.append((base, *per_seed))
+        expert = sum(per_seed) / len(per_seed)
+        cells = " ".join(f"{value:>6.3f}" for value in per_seed)
+        print(f"{task:<28} {base:>6.3f} {cells} {expert:>6.3f} {expert - base:>+6.3f}")
+    columns = [sum(column) / len(column) for column in zip(*rows, strict=True)]
+    expert = sum(columns[1:]) / len(seeds)
+    cells = " ".join(f"{value:>6.3f}" for value in columns[1:])
+    print(f"{'average':<28} {columns[0]:>6.3f} {cells} {expert:>6.3f} {expert - columns[0]:>+6.3f}")
+    seconds = summary["seconds"]
+    train = [summary["experts"][seed][task]["seconds"]["train"] for seed in seeds for task in summary["tasks"]]
+    print(
+        f"tokenize {seconds['tokenize']:.1f} s, probe features {seconds['features']:.1f} s, probe fit "
+        f"{seconds['fit']:.1f} s, base scoring {seconds['base_eval']:.1f} s "
+        f"({summary['eval_sentences_per_second']:.0f} sentences/s), experts {sum(train):.0f} s "
+        f"({min(train):.0f}-{max(train):.0f} s each); times as measured when each stage was built"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
