@@ -260,10 +260,9 @@ def plots(summary: Mapping[str, Any], folder: Path) -> list[Path]:
     for value, name, style in ((summary["base"], "base", "--"), (summary["experts"], "experts", ":")):
         ax.axvline(100 * value["average"]["mean"], color="k", linestyle=style, label=f"{name} (avg)")
     low = min(100 * summary["base"]["average"]["mean"], *(100 * s["mean"] for _, s in rows)) - 3
-    ax.set_xlim(left=low)
-    ax.set_xlabel(
-        f"average test accuracy over {len(summary['tasks'])} tasks (%), mean ± std of {summary['seeds']} seeds"
-    )
+    ax.set_xlim(low, 100 * summary["experts"]["average"]["mean"] + 1)
+    seeds = f"{summary['seeds']} seed{'s' if summary['seeds'] > 1 else ''}"
+    ax.set_xlabel(f"average test accuracy over {len(summary['tasks'])} tasks (%), mean ± std of {seeds}")
     ax.legend(loc="lower right")
     fig.tight_layout()
     out = [folder / "accuracy.png"]
