@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from specmerge.baselines import singular_value_floor
 from specmerge.registry import compute_dtype, get_method
 
 
@@ -133,20 +134,19 @@ def adapter_factors(
     share of the squared Frobenius norm is reported. B = U sqrt(S), A = sqrt(S) V^T. Computed in
     float64, returned in ``dtype`` (default the delta's).
     """
-    from specmerge.baselines import singular_value_floor
-
     if isinstance(delta, FactoredResult):
-        out_dtype = dtype or delta.left.dtype
+        source_dtype = delta.left.dtype
         Q1, R1 = torch.linalg.qr(delta.left.double())
         Q2, R2 = torch.linalg.qr(delta.right.double().T)
         U, S, Vh = torch.linalg.svd(R1 @ R2.T)
         U, Vh = Q1 @ U, Vh @ Q2.T
         shape = (delta.left.shape[0], delta.right.shape[1])
     else:
-        out_dtype = dtype or delta.dtype
+        source_dtype = delta.dtype
         U, S, Vh = torch.linalg.svd(delta.double(), full_matrices=False)
         shape = tuple(delta.shape)
-    in_precision = S.to(delta.left.dtype if isinstance(delta, FactoredResult) else delta.dtype)
+    out_dtype = dtype or source_dtype
+    in_precision = S.to(source_dtype)
     rank = int((singular_value_floor(in_precision, shape) < in_precision).sum()) if S.numel() else 0
     if max_rank is not None:
         rank = min(rank, max_rank)
