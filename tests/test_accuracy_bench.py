@@ -25,8 +25,27 @@ def test_benchmark_end_to_end_and_rescoring_from_the_cache(world, tiny_model_dir
     chosen = per_seed[0]["rows"]["swudi"]["choice"]
     assert "rank_ratio=0.5" in chosen and ("t=300.0" in chosen or "t=1300.0" in chosen)
 
-    calls = []
-    evaluate = accuracy_model.evaluate
+    calls, merged = [], []
+    evaluate, merge = accuracy_model.evaluate, bench.merge_candidates
     monkeypatch.setattr(accuracy_model, "evaluate", lambda *a, **k: calls.append(1) or evaluate(*a, **k))
+
+    def recording_merge(base, experts, candidates, **kwargs):
+        merged.append(([c.method for c in candidates], list(kwargs["wudi_steps"])))
+        return merge(base, experts, candidates, **kwargs)
+
+    monkeypatch.setattr(bench, "merge_candidates", recording_merge)
     again, _ = bench.run_benchmark(world["cache"], (0, 1), log=lambda line: None, **run)
     assert calls == [] and again["rows"]["tsv_m"]["average"] == summary["rows"]["tsv_m"]["average"]
+    assert merged == [([], []), ([], [])]  # nothing is merged again when every score is cached
+
+    # a lost val score: only that candidate is merged and scored again, with the same result
+    score_file = next((world["cache"] / "scores").glob("*/seed0-*.json"))
+    scores = json.loads(score_file.read_text())
+    lost = [k for k in scores if k.startswith("tsv_m-") and k.endswith("|0.3|val")]
+    assert len(lost) == 1
+    del scores[lost[0]]
+    score_file.write_text(json.dumps(scores))
+    merged.clear()
+    third, _ = bench.run_benchmark(world["cache"], (0, 1), log=lambda line: None, **run)
+    assert merged == [(["tsv_m"], []), ([], [])] and len(calls) == 1
+    assert third["rows"]["tsv_m"]["average"] == summary["rows"]["tsv_m"]["average"]

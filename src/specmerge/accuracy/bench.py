@@ -105,12 +105,15 @@ class ScoreCache:
 
     def get(self, key: str, compute: Callable[[], dict[str, float]]) -> dict[str, float]:
         if key not in self.scores:
-            self.scores[key] = compute()
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
-                json.dump(self.scores, f, indent=0, sort_keys=True)
-            os.replace(f.name, self.path)
+            self.put(key, compute())
         return self.scores[key]
+
+    def put(self, key: str, value: dict[str, float]) -> None:
+        self.scores[key] = value
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(self.scores, f, indent=0, sort_keys=True)
+        os.replace(f.name, self.path)
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -125,23 +128,28 @@ def evaluate_seed(
     *,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Every row for one set of experts (task -> expert state dict): chosen setting, val mean, test accuracies."""
+    """Every row for one set of experts (task -> expert state dict): chosen setting, val mean, test accuracies.
+
+    Only the candidates with a score missing from ``cache`` are merged, so a rerun over cached scores does
+    no merging at all. Merge times are cached with the scores (key ``<candidate>|merge``).
+    """
     tasks = list(experts)
-    rows = method_rows()
-    steps = step_rows()
-    everything = [c for row in rows + steps for c in row.candidates]
-    candidates = {c.key: c for c in everything if c.method != "wudi"}
-    wudi_steps = sorted({c.params["steps"] for c in everything if c.method == "wudi"})  # one run, snapshots
+    rows = method_rows() + step_rows()
+    needed = {c.key: c for c in missing_candidates(rows, cache)}
+    wudi_steps = sorted({c.params["steps"] for c in needed.values() if c.method == "wudi"})  # one run, snapshots
     deltas = merge_candidates(
-        base, list(experts.values()), list(candidates.values()), expert_keys=tasks, wudi_steps=wudi_steps,
-        progress=progress,
+        base, list(experts.values()), [c for c in needed.values() if c.method != "wudi"], expert_keys=tasks,
+        wudi_steps=wudi_steps, progress=progress and bool(needed),
     )  # fmt: skip
+    merged = [c.key for c in needed.values() if c.method != "wudi"] + (["wudi_steps"] if wudi_steps else [])
+    for key in merged:
+        cache.put(f"{key}|merge", {"seconds": deltas.seconds[key]})
     result: dict[str, Any] = {
         "tasks": tasks,
         "base": {split: cache.get(f"base|{split}", lambda s=split: score(base, s)) for split in ("val", "test")},
         "experts": {},
         "rows": {},
-        "merge_seconds": deltas.seconds,
+        "merge_seconds": {k[: -len("|merge")]: v["seconds"] for k, v in cache.scores.items() if k.endswith("|merge")},
     }
     for task, state in experts.items():
         own = {
@@ -149,26 +157,44 @@ def evaluate_seed(
             for split in ("val", "test")
         }
         result["experts"][task] = {"val": own["val"][task], "test": own["test"][task], "all_test": own["test"]}
-    for row in rows + steps:
+    for row in rows:
         result["rows"][row.label] = choose(row, base, deltas, score, cache)
     return result
 
 
-def choose(row: Row, base: StateDict, deltas: MergedDeltas, score: Scorer, cache: ScoreCache) -> dict[str, Any]:
-    """The (candidate, scale) of ``row`` with the best mean validation accuracy, and its test accuracies."""
+def missing_candidates(rows: Sequence[Row], cache: ScoreCache) -> list[Candidate]:
+    """The candidates of ``rows`` that :func:`choose` would have to merge: a val score or the chosen test missing."""
+    out = []
+    for row in rows:
+        lacking = [c for c in row.candidates if any(f"{c.key}|{s}|val" not in cache.scores for s in SCALES)]
+        if not lacking:
+            _, best, scale = _best_on_val(row, cache)
+            if f"{best.key}|{scale}|test" not in cache.scores:
+                lacking = [best]
+        out += [c for c in lacking if all(c.key != o.key for o in out)]
+    return out
+
+
+def _best_on_val(row: Row, cache: ScoreCache, score: Callable[[Candidate, float], dict[str, float]] | None = None):
+    """(mean val accuracy, candidate, scale) of the best setting of ``row``; ``score`` fills missing val scores."""
     best: tuple[float, Candidate, float] | None = None
     for candidate in row.candidates:
         for scale in SCALES:
-            val = cache.get(
-                f"{candidate.key}|{scale}|val", lambda c=candidate, s=scale: score(deltas.state(base, c, s), "val")
-            )
+            key = f"{candidate.key}|{scale}|val"
+            val = cache.get(key, lambda c=candidate, s=scale: score(c, s)) if score else cache.scores[key]
             if best is None or _mean(list(val.values())) > best[0]:
                 best = (_mean(list(val.values())), candidate, scale)
     assert best is not None
-    val_mean, candidate, scale = best
+    return best
+
+
+def choose(row: Row, base: StateDict, deltas: MergedDeltas, score: Scorer, cache: ScoreCache) -> dict[str, Any]:
+    """The (candidate, scale) of ``row`` with the best mean validation accuracy, and its test accuracies."""
+    val_mean, candidate, scale = _best_on_val(row, cache, lambda c, s: score(deltas.state(base, c, s), "val"))
     test = cache.get(f"{candidate.key}|{scale}|test", lambda: score(deltas.state(base, candidate, scale), "test"))
+    merge = cache.scores.get(f"{candidate.key}|merge", {}).get("seconds")
     return {"title": row.title, "choice": candidate.describe(), "scale": scale, "val_mean": val_mean, "test": test,
-            "seconds": deltas.seconds.get(candidate.key)}  # fmt: skip
+            "seconds": merge}  # fmt: skip
 
 
 def summarize(per_seed: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
