@@ -21,7 +21,7 @@ test: lint
 	$(BIN)/pytest
 
 bench: $(VENV)/.installed
-	$(BIN)/python bench/layer_speed.py
+	$(BIN)/specmerge bench speed --sets clip --memory
 
 # The offline accuracy benchmark (README, "Accuracy benchmark"); CACHE holds data, experts and scores.
 CACHE ?= $(HOME)/.cache/specmerge-accuracy

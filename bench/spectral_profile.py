@@ -2,7 +2,7 @@
 
     python bench/spectral_profile.py
 
-Same synthetic layers as bench/layer_speed.py (N = 8, float32, CPU). Best of --repeats runs, seconds.
+Same kind of synthetic layers as `specmerge bench speed` (N = 8, float32, CPU). Best of --repeats runs, seconds.
 Columns: D and C as built (C in the same pass as D when d_out >= d_in, else a product M^T M after);
 the older route for comparison (D alone, then always C = M^T M as a separate product); torch eigh of C; scipy's
 partial eigensolver for only the K kept eigenvectors; the filtered solve.
@@ -18,9 +18,9 @@ import numpy as np
 import scipy.linalg
 import torch
 
-from layer_speed import synthetic_stack
 from specmerge.filters import TopK
 from specmerge.spectral import choose_rank, decompose, filtered_solve, initial_point, nonzero_experts, normal_equation
+from specmerge.speed import synthetic_stack
 
 SHAPES = [(768, 768), (3072, 768), (768, 3072)]
 

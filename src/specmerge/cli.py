@@ -1,4 +1,4 @@
-"""Command line: `specmerge merge`, `specmerge run RECIPE`, `specmerge methods`, `specmerge demo`."""
+"""Command line: `specmerge merge`, `specmerge run RECIPE`, `specmerge inspect`, `specmerge methods`, `demo`."""
 
 from __future__ import annotations
 
@@ -35,6 +35,10 @@ def _demo_command(args: argparse.Namespace) -> int:
 
 
 def _bench_command(args: argparse.Namespace) -> int:
+    if args.which == "speed":
+        from specmerge.speed import main as speed_main
+
+        return speed_main(args.rest)
     from specmerge.accuracy.bench import main as accuracy_main
 
     return accuracy_main(args.rest)
@@ -90,6 +94,34 @@ def _run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect_command(args: argparse.Namespace) -> int:
+    from specmerge.inspect_report import DEFAULT_METHODS, inspect_model
+
+    options = {
+        key: value
+        for key, value in (
+            ("layers", args.layers),
+            ("methods", tuple(args.method) if args.method else DEFAULT_METHODS),
+            ("rank_ratio", args.rank_ratio),
+            ("t", args.t),
+            ("wudi", not args.no_wudi),
+            ("wudi_layer", args.wudi_layer),
+            ("wudi_steps", args.wudi_steps),
+            ("adam_lr", args.adam_lr),
+            ("gd_lr", args.gd_lr),
+            ("compute_dtype", args.compute_dtype),
+            ("device", args.device),
+            ("plots", not args.no_plots),
+        )
+        if value is not None
+    }
+    summary = inspect_model(
+        args.base, args.experts, args.output, overwrite=args.overwrite, progress=not args.quiet, **options
+    )
+    print(f"inspected {summary['layers_inspected']} layers in {summary['seconds']:.1f} s -> {args.output}/report.md")
+    return 0
+
+
 def _print_summary(report: dict, output: str) -> None:
     print(f"merged {len(report['tensors'])} tensors with {report['method']} in {report['seconds']:.1f} s -> {output}")
     adapter = report.get("adapter")
@@ -134,8 +166,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", help="recipe file (see README)")
     _add_output_arguments(p)
     p.set_defaults(run=_run_command)
-    p = sub.add_parser("bench", help="benchmarks: `specmerge bench accuracy --cache DIR` (see README)")
-    p.add_argument("which", choices=["accuracy"])
+    p = sub.add_parser("inspect", help="spectral diagnostics of experts of BASE: tables, plots, report.md")
+    p.add_argument("base", help="base model: Hugging Face folder or .safetensors file")
+    p.add_argument("experts", nargs="+", help="experts of the same base: model folders/files or PEFT LoRA adapters")
+    p.add_argument("-o", "--out", "--output", dest="output", required=True, help="new report folder")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing report folder")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--layers", metavar="REGEX", help="inspect only the 2-D layers whose name matches")
+    p.add_argument(
+        "-m", "--method", action="append", metavar="NAME[:K=V,...]", help="method whose merged-delta norm to report "
+        "(repeatable; default: closed_form, swudi, swudi_a, swudi_a:rule=gavish_donoho, tsv_m, iso_c, "
+        "task_arithmetic, weight_average)"
+    )  # fmt: skip
+    p.add_argument("--rank-ratio", type=float, help="fixed rank ratio r of the SWUDI cut (default: swudi's, 0.65)")
+    p.add_argument("--t", type=float, help="exponential filter time of the filter plot (default: swudi's, 1300)")
+    p.add_argument("--wudi-layer", metavar="NAME", help="layer of the optimizer-as-filter and filter-shape plots")
+    p.add_argument("--wudi-steps", type=int, help="iterative WUDI steps on that layer (default 300)")
+    p.add_argument("--adam-lr", type=float, help="Adam learning rate (default 1e-5, WUDI's)")
+    p.add_argument("--gd-lr", type=float, help="plain gradient descent step (default 0.25 / lambda_max)")
+    p.add_argument("--no-wudi", action="store_true", help="skip the optimizer-as-filter diagnostic")
+    p.add_argument("--no-plots", action="store_true", help="tables and report.md only")
+    p.add_argument("--compute-dtype", choices=["float32", "float64"], help="dense layers (default float32)")
+    p.add_argument("--device", help="cpu, cuda, cuda:N or auto")
+    p.set_defaults(run=_inspect_command)
+    p = sub.add_parser("bench", help="benchmarks: `specmerge bench accuracy --cache DIR`, `specmerge bench speed`")
+    p.add_argument("which", choices=["accuracy", "speed"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (--help for them)")
     p.set_defaults(run=_bench_command)
     p = sub.add_parser("demo", help="build a tiny model and 4 experts, merge them with several methods, print a table")
