@@ -66,10 +66,10 @@ def _sample(pid: int, peaks: dict[str, int], done: threading.Event) -> None:
         done.wait(0.02)
 
 
-def run_job(command: list[str]) -> dict[str, float]:
+def run_job(command: list[str], env: dict[str, str] | None = None) -> dict[str, float]:
     """Wall seconds and peak RSS / anonymous / file-backed bytes of one process."""
     start = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     peaks: dict[str, int] = {}
     done = threading.Event()
     sampler = threading.Thread(target=_sample, args=(proc.pid, peaks, done), daemon=True)
@@ -131,6 +131,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--methods", nargs="+", default=["task_arithmetic", "ties"])
     parser.add_argument("--work", type=Path, help="scratch folder for outputs (default: next to the models)")
+    parser.add_argument("--before-src", type=Path,
+                        help="also run specmerge from this source tree (a worktree of an older commit)")  # fmt: skip
     args = parser.parse_args()
     base = args.models / "base"
     experts = [args.models / f"expert{i}" for i in range(4)]
@@ -143,6 +145,7 @@ def main() -> None:
                     while f.read(1 << 24):
                         pass
         jobs: dict[str, tuple[list[str], Path]] = {}  # name -> (command, its output folder)
+        envs: dict[str, dict[str, str]] = {}
         floor_out = work / "io_floor"
         inputs = json.dumps([str(base), *map(str, experts)])
         jobs["io_floor"] = ([sys.executable, "-c", FLOOR, inputs, str(floor_out)], floor_out)
@@ -151,6 +154,11 @@ def main() -> None:
             ours = work / f"specmerge-{method}"
             command = [*specmerge, "merge", str(base), *map(str, experts), "--method", method, *scale]
             jobs[f"specmerge {method}"] = ([*command, "--dtype", "float16", "-q", "--output", str(ours)], ours)
+            if args.before_src:
+                older = work / f"before-{method}"
+                jobs[f"specmerge (before) {method}"] = ([*command, "--dtype", "float16", "-q", "--output", str(older)],
+                                                        older)  # fmt: skip
+                envs[f"specmerge (before) {method}"] = {**os.environ, "PYTHONPATH": str(args.before_src.resolve())}
             if args.mergekit:
                 config = work / f"{method}.yml"
                 config.write_text(mergekit_config(method, base, experts))
@@ -163,7 +171,7 @@ def main() -> None:
                 shutil.rmtree(output, ignore_errors=True)
                 if name == "io_floor":
                     output.mkdir()
-                results[name].append(run_job(command))
+                results[name].append(run_job(command, envs.get(name)))
                 print(f"round {round_} {name}: {results[name][-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
         gib = 2.0**30
         floor = statistics.median(r["seconds"] for r in results["io_floor"])
@@ -182,6 +190,10 @@ def main() -> None:
                 theirs = statistics.median(r["seconds"] for r in results[f"mergekit {method}"])
                 diff = compare(work / f"specmerge-{method}", work / f"mergekit-{method}")
                 print(f"- {method}: mergekit / specmerge = {theirs / ours:.2f}x; max |difference| {diff:.3g}")
+        if args.before_src:
+            for method in args.methods:
+                diff = compare(work / f"specmerge-{method}", work / f"before-{method}")
+                print(f"- {method}: specmerge now vs --before-src: max |difference| {diff:.3g}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

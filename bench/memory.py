@@ -90,7 +90,7 @@ def generate(models: Path, experts: int) -> None:
     from specmerge.sources import TensorInfo
     from specmerge.writer import ShardWriter
 
-    config = transformers.LlamaConfig(**MODEL, torch_dtype="float16")
+    config = transformers.LlamaConfig(**MODEL, torch_dtype="float16", architectures=["LlamaForCausalLM"])
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in transformers.LlamaForCausalLM(config).state_dict().items()}
     infos = [TensorInfo(name, shape, torch.float16) for name, shape in shapes.items()]

@@ -49,3 +49,16 @@ def test_benchmark_end_to_end_and_rescoring_from_the_cache(world, tiny_model_dir
     third, _ = bench.run_benchmark(world["cache"], (0, 1), log=lambda line: None, **run)
     assert merged == [(["tsv_m"], []), ([], [])] and len(calls) == 1
     assert third["rows"]["tsv_m"]["average"] == summary["rows"]["tsv_m"]["average"]
+
+
+def test_equal_validation_scores_tie_exactly_whatever_the_task_order(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "SCALES", (1.0,))
+    first, second = bench.Candidate("x", "swudi", {"t": 1.0}), bench.Candidate("x", "swudi", {"t": 2.0})
+    cache = bench.ScoreCache(tmp_path / "scores.json")
+    # the same accuracies, listed in two orders (a fresh score vs one read back from the sorted JSON);
+    # summed left to right they differ in the last bit: 1.0 vs 0.9999999999999999
+    cache.put(f"{first.key}|1.0|val", {"a": 0.1, "b": 0.2, "c": 0.7})
+    cache.put(f"{second.key}|1.0|val", {"c": 0.7, "b": 0.2, "a": 0.1})
+    for order in ([first, second], [second, first]):
+        _, best, _ = bench._best_on_val(bench.Row("x", "x", tuple(order)), cache)
+        assert best == order[0]  # an exact tie: the first setting of the grid wins

@@ -117,7 +117,9 @@ class ScoreCache:
 
 
 def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values)
+    """Exactly rounded mean: independent of the order of ``values`` (a score read back from the cache lists
+    its tasks in another order than a fresh one, and settings with equal validation scores must tie exactly)."""
+    return math.fsum(values) / len(values)
 
 
 def evaluate_seed(
@@ -326,7 +328,8 @@ def run_benchmark(
     """The whole benchmark: data -> probes -> experts -> merges -> scores -> tables and plots, every stage cached.
 
     Returns the summary and the results folder (``results.json``, ``results.md``, ``accuracy.png``,
-    ``wudi_steps.png``, ``timings.json``) under ``cache_dir/results/<experts key>-<code key>-seeds-...``.
+    ``wudi_steps.png``, ``timings.json``: the stage times of every run, appended) under
+    ``cache_dir/results/<experts key>-<code key>-seeds-...``.
     ``model_dir`` / ``manifest`` replace the pinned MiniLM and the Debian-derived tasks (the tests use a tiny
     BERT and a synthetic task set).
     """
@@ -366,7 +369,11 @@ def run_benchmark(
     (folder / "results.json").write_text(json.dumps({"summary": summary, "per_seed": per_seed}, indent=1))
     (folder / "results.md").write_text(markdown(summary))
     seconds["total"] = time.perf_counter() - started
-    (folder / "timings.json").write_text(json.dumps({"seconds": seconds, "build": built["seconds"]}, indent=1))
+    history = folder / "timings.json"  # one entry per run: a cached rerun does not hide the full run's times
+    runs = json.loads(history.read_text()) if history.is_file() else []
+    runs = runs if isinstance(runs, list) else [runs]
+    runs.append({"seconds": seconds, "build": built["seconds"]})
+    history.write_text(json.dumps(runs, indent=1))
     plots(summary, folder)
     return summary, folder
 

@@ -1,0 +1,82 @@
+"""Validation-only probes behind the accuracy benchmark's method ordering (BENCHMARKS.md, issue 5 notes).
+
+    python bench/accuracy_investigate.py --cache /work/benchdata/accuracy --seeds 0 1 2
+
+Uses the cached experts of ``specmerge bench accuracy`` and scores on the VALIDATION splits only (no test
+split is read), for every seed:
+
+1. scale beyond the benchmark's grid (s in 1.0, 1.25, 1.5, 2.0) for TSV-M, Iso-C, WUDI-300, SWUDI-A
+   (psqrt, Gavish-Donoho): does the grid's top (s = 1.0, chosen by every spectral method) cap them?
+2. tau_init for SWUDI-A psqrt and the exponential filter (t = 1300): sum (default) vs mean vs zero,
+   over the benchmark's scale grid: how much of the gap between D C^+ and SWUDI is the starting point?
+3. the task-vector norms of the experts (the verb expert's larger update, see the notes).
+Prints mean validation accuracy over the tasks (mean over seeds, and per seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from specmerge.accuracy import model as accuracy_model
+from specmerge.accuracy.bench import SCALES
+from specmerge.accuracy.merging import Candidate, merge_candidates
+
+BEYOND = (1.0, 1.25, 1.5, 2.0)
+SCALE_PROBES = [
+    Candidate("tsv_m", "tsv_m"),
+    Candidate("iso_c", "iso_c"),
+    Candidate("swudi_a_psqrt", "swudi_a", {"rule": "psqrt"}),
+    Candidate("swudi_a_gd", "swudi_a", {"rule": "gavish_donoho"}),
+]
+INIT_PROBES = [
+    Candidate(f"swudi_a_psqrt_{init}", "swudi_a", {"rule": "psqrt", "tau_init": init})
+    for init in ("sum", "mean", "zero")
+] + [
+    Candidate(f"exponential_{init}", "spectral_filter", {"filter": "exponential", "t": 1300.0, "tau_init": init})
+    for init in ("sum", "mean", "zero")
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cache", type=Path, required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    args = parser.parse_args()
+    built = accuracy_model.build_experts(args.cache.resolve(), args.seeds, log=lambda line: None)
+    base_model, _ = accuracy_model.load_base(None)
+    base = {k: v.detach().clone() for k, v in base_model.state_dict().items()}
+    tasks_encoded = accuracy_model.load_encoded(built["paths"]["tokens"])
+    heads = accuracy_model.load_heads(built["paths"]["heads"])
+    table: dict[tuple[str, float], list[float]] = {}
+    norms: dict[str, list[float]] = {}
+    for seed in args.seeds:
+        experts = {}
+        for task, folder in built["paths"]["experts"][seed].items():
+            state = load_file(Path(folder) / "model.safetensors")
+            experts[task] = {name: state[name] for name in base}
+            delta = sum(float((state[n].float() - base[n].float()).pow(2).sum()) for n in base if "encoder" in n)
+            norms.setdefault(task, []).append(delta**0.5)
+        deltas = merge_candidates(base, list(experts.values()), SCALE_PROBES + INIT_PROBES, expert_keys=list(experts),
+                                  wudi_steps=[300], progress=False)  # fmt: skip
+        wudi = Candidate("wudi_steps", "wudi", {"steps": 300})
+        jobs = [(c, s) for c in [*SCALE_PROBES, wudi] for s in BEYOND] + [(c, s) for c in INIT_PROBES for s in SCALES]
+        for candidate, scale in jobs:
+            state = deltas.state(base, candidate, scale)
+            val = accuracy_model.evaluate(state, tasks_encoded, heads, "val", scratch=base_model)
+            table.setdefault((candidate.label, scale), []).append(statistics.mean(val.values()))
+        print(f"seed {seed} done", flush=True)
+    print("\n| candidate | s | mean val acc (mean over seeds) | per seed |\n|---|---:|---:|---|")
+    for (label, scale), values in table.items():
+        per_seed = ", ".join(f"{100 * v:.1f}" for v in values)
+        print(f"| {label} | {scale} | {100 * statistics.mean(values):.2f} | {per_seed} |")
+    print("\n| expert | ||tau||_F over the encoder (mean over seeds) |\n|---|---:|")
+    for task, values in norms.items():
+        print(f"| {task} | {statistics.mean(values):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
