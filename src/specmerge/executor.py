@@ -52,7 +52,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 ROWWISE_METHODS = frozenset({"weight_average", "task_arithmetic"})  # the same function of every row
-BLOCK_BYTES = 64 * 2**20
+BLOCK_BYTES = 16 * 2**20  # small enough for reads, compute and writes to overlap well (BENCHMARKS.md, issue 6)
 CHUNK_ELEMENTS = 2**18  # linear merges on the CPU run in chunks this long: every pass stays in cache
 
 Rows = tuple[int, int] | None
