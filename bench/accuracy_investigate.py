@@ -19,10 +19,8 @@ import argparse
 import statistics
 from pathlib import Path
 
-from safetensors.torch import load_file
-
 from specmerge.accuracy import model as accuracy_model
-from specmerge.accuracy.bench import SCALES
+from specmerge.accuracy.bench import SCALES, load_experts, load_scoring
 from specmerge.accuracy.merging import Candidate, merge_candidates
 
 BEYOND = (1.0, 1.25, 1.5, 2.0)
@@ -47,17 +45,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
     built = accuracy_model.build_experts(args.cache.resolve(), args.seeds, log=lambda line: None)
-    base_model, _ = accuracy_model.load_base(None)
-    base = {k: v.detach().clone() for k, v in base_model.state_dict().items()}
-    tasks_encoded = accuracy_model.load_encoded(built["paths"]["tokens"])
-    heads = accuracy_model.load_heads(built["paths"]["heads"])
+    base_model, base, tasks_encoded, heads = load_scoring(built)
     table: dict[tuple[str, float], list[float]] = {}
     norms: dict[str, list[float]] = {}
     for seed in args.seeds:
-        experts = {}
-        for task, folder in built["paths"]["experts"][seed].items():
-            state = load_file(Path(folder) / "model.safetensors")
-            experts[task] = {name: state[name] for name in base}
+        experts = load_experts(built, seed, base)
+        for task, state in experts.items():
             delta = sum(float((state[n].float() - base[n].float()).pow(2).sum()) for n in base if "encoder" in n)
             norms.setdefault(task, []).append(delta**0.5)
         deltas = merge_candidates(base, list(experts.values()), SCALE_PROBES + INIT_PROBES, expert_keys=list(experts),

@@ -19,8 +19,6 @@ reports the largest relative difference between the two results (they are the sa
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import scipy.linalg
@@ -28,21 +26,13 @@ import torch
 
 from specmerge.registry import get_method
 from specmerge.spectral import choose_rank, decompose, filtered_solve, initial_point, normal_equation
-from specmerge.speed import cpu_name, synthetic_stack
+from specmerge.speed import cpu_name, median_seconds, synthetic_stack
 
 
 def median(fn: Callable[[], object], repeats: int, device: torch.device) -> tuple[float, object]:
+    """(median seconds of ``repeats`` calls after a warm-up, the warm-up's result)."""
     out = fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), out
+    return median_seconds(fn, repeats, device, warm_up=False), out
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

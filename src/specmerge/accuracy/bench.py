@@ -315,6 +315,27 @@ def plots(summary: Mapping[str, Any], folder: Path) -> list[Path]:
     return out
 
 
+def load_scoring(built: Mapping[str, Any], model_dir: str | Path | None = None) -> tuple[Any, StateDict, Any, Any]:
+    """(base model, a copy of its state dict, encoded tasks, probe heads) for scoring, from ``build_experts``."""
+    from specmerge.accuracy import model as accuracy_model
+
+    base_model, _ = accuracy_model.load_base(model_dir)
+    base = {k: v.detach().clone() for k, v in base_model.state_dict().items()}
+    tasks_encoded = accuracy_model.load_encoded(built["paths"]["tokens"])
+    return base_model, base, tasks_encoded, accuracy_model.load_heads(built["paths"]["heads"])
+
+
+def load_experts(built: Mapping[str, Any], seed: int, base: StateDict) -> dict[str, StateDict]:
+    """Task -> the seed's expert state dict, with the base's tensor names."""
+    from safetensors.torch import load_file
+
+    experts = {}
+    for task, folder in built["paths"]["experts"][seed].items():
+        state = load_file(Path(folder) / "model.safetensors")
+        experts[task] = {name: state[name] for name in base}
+    return experts
+
+
 def run_benchmark(
     cache_dir: str | Path,
     seeds: Sequence[int] = (0, 1, 2),
@@ -335,18 +356,13 @@ def run_benchmark(
     """
     import time
 
-    from safetensors.torch import load_file
-
     from specmerge.accuracy import model as accuracy_model
 
     cache_dir = Path(cache_dir).resolve()
     started = time.perf_counter()
     built = accuracy_model.build_experts(cache_dir, seeds, steps=steps, model_dir=model_dir, manifest=manifest, log=log)
     prepared = time.perf_counter() - started
-    base_model, _ = accuracy_model.load_base(model_dir)
-    base = {k: v.detach().clone() for k, v in base_model.state_dict().items()}
-    tasks_encoded = accuracy_model.load_encoded(built["paths"]["tokens"])
-    heads = accuracy_model.load_heads(built["paths"]["heads"])
+    base_model, base, tasks_encoded, heads = load_scoring(built, model_dir)
 
     def score(state: StateDict, split: str) -> dict[str, float]:
         return accuracy_model.evaluate(state, tasks_encoded, heads, split, scratch=base_model)
@@ -355,10 +371,7 @@ def run_benchmark(
     per_seed, seconds = [], {"build (data, probes, experts)": prepared}
     for seed in seeds:
         start = time.perf_counter()
-        experts = {}
-        for task, folder in built["paths"]["experts"][seed].items():
-            state = load_file(Path(folder) / "model.safetensors")
-            experts[task] = {name: state[name] for name in base}
+        experts = load_experts(built, seed, base)
         cache = ScoreCache(cache_dir / "scores" / experts_key / f"seed{seed}-{code_key()}.json")
         per_seed.append(evaluate_seed(base, experts, score, cache, progress=progress))
         seconds[f"merge and score, seed {seed}"] = time.perf_counter() - start
