@@ -9,7 +9,11 @@ the peak resident set (total and anonymous, sampled every 20 ms from /proc) per 
 
 Jobs:
 - ``io_floor``: read every tensor of the five checkpoints with ``safetensors.safe_open(...).get_tensor`` and
-  write an output of the base's size with ``safetensors.torch.save_file`` (same shard layout), shard by shard;
+  write an output of the base's size with ``safetensors.torch.save_file`` (same shard layout), shard by shard.
+  safetensors >= 0.4 returns memory-mapped tensors whose bytes are only read when touched, so the floor
+  copies every tensor's bytes once into a reused buffer (a memcpy, the cheapest way to read them);
+- ``write only (lazy get_tensor)``: the same without touching the bytes (the experts are never read: not a
+  floor for a merge, which must read them; shown because earlier runs used it as the floor);
 - ``specmerge task_arithmetic`` / ``ties``: ``specmerge merge`` (fp16 output, 0.3 scale for TA, TIES top 20 %
   at scale 1.0);
 - ``mergekit task_arithmetic`` / ``ties``: ``mergekit-yaml`` on the same inputs with the same settings
@@ -37,16 +41,24 @@ from pathlib import Path
 FLOOR = r"""
 import json, sys
 from pathlib import Path
+import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-models, out = [Path(p) for p in json.loads(sys.argv[1])], Path(sys.argv[2])
+models, out, read = [Path(p) for p in json.loads(sys.argv[1])], Path(sys.argv[2]), sys.argv[3] == "read"
 base = models[0]
 index = json.loads((base / "model.safetensors.index.json").read_text())
+scratch = torch.empty(1 << 26, dtype=torch.uint8)  # reused: reading costs no fresh pages
 for shard in sorted(set(index["weight_map"].values())):
     written = {}
     for model in models:
         with safe_open(model / shard, "pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
+        if read:  # get_tensor maps the file lazily: pass every byte through memory once
+            for tensor in tensors.values():
+                data = tensor.reshape(-1).view(torch.uint8)
+                for start in range(0, data.numel(), scratch.numel()):
+                    piece = data[start : start + scratch.numel()]
+                    scratch[: piece.numel()].copy_(piece)
         if model == base:
             written = tensors
     save_file(written, out / shard, metadata={"format": "pt"})
@@ -146,9 +158,10 @@ def main() -> None:
                         pass
         jobs: dict[str, tuple[list[str], Path]] = {}  # name -> (command, its output folder)
         envs: dict[str, dict[str, str]] = {}
-        floor_out = work / "io_floor"
         inputs = json.dumps([str(base), *map(str, experts)])
-        jobs["io_floor"] = ([sys.executable, "-c", FLOOR, inputs, str(floor_out)], floor_out)
+        jobs["io_floor"] = ([sys.executable, "-c", FLOOR, inputs, str(work / "io_floor"), "read"], work / "io_floor")
+        lazy = work / "write_only"
+        jobs["write only (lazy get_tensor)"] = ([sys.executable, "-c", FLOOR, inputs, str(lazy), "lazy"], lazy)
         for method in args.methods:
             scale = ["-p", "scale=0.3"] if method == "task_arithmetic" else []
             ours = work / f"specmerge-{method}"
@@ -169,7 +182,7 @@ def main() -> None:
         for round_ in range(args.repeats):
             for name, (command, output) in jobs.items():
                 shutil.rmtree(output, ignore_errors=True)
-                if name == "io_floor":
+                if "specmerge" not in name and "mergekit" not in name:
                     output.mkdir()
                 results[name].append(run_job(command, envs.get(name)))
                 print(f"round {round_} {name}: {results[name][-1]['seconds']:.1f} s", file=sys.stderr, flush=True)

@@ -14,10 +14,12 @@ from specmerge.baselines import (
     disjoint_mean,
     elect_sign,
     iso_c,
+    kth_largest,
     polar_factor,
     task_arithmetic,
     ties,
     top_k_count,
+    top_k_mask,
     trim_by_magnitude,
     tsv_factors,
     tsv_m,
@@ -399,3 +401,35 @@ def test_tsv_m_keeps_at_most_the_rank_of_each_task():
     U, S, V = tsv_factors(torch.stack([low, full]))
     assert U.shape == (8, 5) and S.shape == (5,) and V.shape == (8, 5)
     torch.testing.assert_close(S[0], torch.linalg.svdvals(low)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_kth_largest_is_exact_with_many_ties(dtype):
+    g = torch.Generator().manual_seed(0)
+    # 16-bit task vectors: few distinct magnitudes, so the threshold sits inside a run of equal values
+    values = (1e-3 * torch.randn(20_000, generator=g)).to(torch.float16).to(dtype).abs()
+    values[:7] = 0.0
+    values[7] = float("inf")
+    for k in (1, 2, 137, 4000, 19_993, 20_000):
+        expected = values.double().sort(descending=True).values[k - 1]
+        assert float(kth_largest(values, k)) == float(expected), k
+        keep = top_k_mask(values, k)
+        assert int(keep.sum()) == k
+        assert bool((values[keep] >= expected.to(dtype)).all()) and bool((values[~keep] <= expected.to(dtype)).all())
+    with pytest.raises(ValueError, match="k must be in"):
+        kth_largest(values, 0)
+
+
+def test_top_k_mask_breaks_ties_in_storage_order():
+    values = torch.tensor([1.0, 3.0, 2.0, 2.0, 0.5, 2.0, 2.0])
+    assert top_k_mask(values, 3).tolist() == [False, True, True, True, False, False, False]
+    assert top_k_mask(values, 7).all()
+
+
+def test_disjoint_mean_matches_its_definition():
+    g = torch.Generator().manual_seed(1)
+    tau = torch.randn(5, 300, generator=g).round()  # many zeros and equal values
+    sign = elect_sign(tau)
+    agree = (torch.sign(tau) == sign) & (sign != 0)
+    expected = torch.where(agree, tau, 0.0).sum(0) / agree.sum(0).clamp(min=1)
+    torch.testing.assert_close(disjoint_mean(tau, sign), expected, rtol=0, atol=0)

@@ -73,19 +73,56 @@ def top_k_count(density: float, numel: int) -> int:
     return min(numel, math.ceil(Fraction(repr(float(density))) * numel))
 
 
+def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th largest entry of a 1-D tensor of non-negative floats (a 0-d tensor), exactly, in O(numel).
+
+    A radix select on the bit patterns, which order like the values for non-negative floats: one
+    histogram of the top 16 bits finds the bucket holding the k-th largest, and a selection among that
+    bucket's entries (about 1/128 of an octave's) finishes. 10-20x faster than ``torch.topk`` or
+    ``torch.kthvalue`` over the whole tensor on the CPU (BENCHMARKS.md, issue 6).
+    """
+    if not 1 <= k <= values.numel():
+        raise ValueError(f"k must be in [1, {values.numel()}], got {k}")
+    if values.dtype == torch.float64:
+        keys = (values.view(torch.int64) >> 48).to(torch.int32)
+    else:
+        values = values.float()  # exact for 16-bit floats
+        keys = values.view(torch.int32) >> 16
+    histogram = torch.bincount(keys, minlength=1 << 16)
+    from_top = histogram.flip(0).cumsum(0)  # entries in the top j + 1 buckets
+    j = int(torch.searchsorted(from_top, k))
+    bucket = histogram.numel() - 1 - j
+    above = int(from_top[j] - histogram[bucket])  # entries in higher buckets, all larger
+    candidates = values[keys == bucket]
+    return torch.kthvalue(candidates, candidates.numel() - (k - above) + 1).values
+
+
+def top_k_mask(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+    """Boolean mask of the k largest entries of a 1-D non-negative tensor; ties at the threshold go by index."""
+    if k >= magnitudes.numel():
+        return torch.ones_like(magnitudes, dtype=torch.bool)
+    threshold = kth_largest(magnitudes, k)
+    keep = magnitudes > threshold
+    missing = k - int(torch.count_nonzero(keep))
+    if missing:  # equal magnitudes at the threshold: the first ones in storage order
+        keep[torch.nonzero(magnitudes == threshold).squeeze(1)[:missing]] = True
+    return keep
+
+
 def trim_by_magnitude(task_vectors: torch.Tensor, density: float) -> torch.Tensor:
     """Per expert, keep the k = ceil(density * numel) entries of largest |tau_i| and zero the rest.
 
-    The scope is one tensor of one expert (equal magnitudes are broken by ``torch.topk``).
+    The scope is one tensor of one expert. Of equal magnitudes at the threshold, those first in storage
+    order are kept, so the trim is the same on every machine.
     """
     flat = task_vectors.reshape(task_vectors.shape[0], -1)
     k = top_k_count(density, flat.shape[1])
     if k == flat.shape[1]:
         return task_vectors.clone()
-    trimmed = torch.zeros_like(flat)
-    for i, tau_i in enumerate(flat):  # one expert at a time: the index workspace is k, not N k
-        keep = tau_i.abs().topk(k, sorted=False).indices
-        trimmed[i, keep] = tau_i[keep]
+    trimmed = torch.empty_like(flat)
+    zero = flat.new_zeros(())
+    for i, tau_i in enumerate(flat):  # one expert at a time: the workspace is one tensor, not N
+        torch.where(top_k_mask(tau_i.abs(), k), tau_i, zero, out=trimmed[i])
     return trimmed.reshape(task_vectors.shape)
 
 
@@ -96,10 +133,14 @@ def elect_sign(task_vectors: torch.Tensor) -> torch.Tensor:
 
 def disjoint_mean(task_vectors: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
     """Per entry, the mean over the experts whose entry is non-zero with the elected sign; 0 where none."""
-    agree = (torch.sign(task_vectors) == sign) & (sign != 0)
-    total = torch.where(agree, task_vectors, task_vectors.new_zeros(()))
-    count = agree.sum(dim=0)
-    return total.sum(dim=0) / count.clamp(min=1).to(task_vectors.dtype)
+    total = torch.zeros_like(sign)
+    count = torch.zeros_like(sign)
+    zero = sign.new_zeros(())
+    for tau_i in task_vectors:  # one expert at a time: no N x tensor temporaries
+        agree = (tau_i * sign) > 0  # the same non-zero sign (sign is -1, 0 or +1)
+        total.add_(torch.where(agree, tau_i, zero))
+        count.add_(agree)
+    return total.div_(count.clamp_(min=1))
 
 
 def _sign_diagnostics(sign: torch.Tensor) -> dict:

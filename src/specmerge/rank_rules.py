@@ -10,7 +10,6 @@ import functools
 import math
 
 import torch
-from scipy import integrate, optimize
 
 # Slack when rounding a ratio up to an integer rank: a flat spectrum of K equal values gives
 # (sum sigma)^2 / sum sigma^2 = K up to float rounding, which must not become K + 1.
@@ -54,6 +53,8 @@ def marchenko_pastur_median(beta: float) -> float:
     [b-, b+], b+- = (1 +- sqrt(beta))^2, is integrated in x = b- + (b+ - b-)(1 - cos theta)/2,
     which removes the square-root endpoint singularities.
     """
+    from scipy import integrate, optimize  # here, not at module level: scipy costs 0.2 s of every start-up
+
     if not 0 < beta <= 1:
         raise ValueError(f"Marchenko-Pastur ratio beta must be in (0, 1], got {beta}")
     lo, hi = (1 - math.sqrt(beta)) ** 2, (1 + math.sqrt(beta)) ** 2

@@ -16,6 +16,7 @@ import shutil
 import struct
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,6 +119,8 @@ class ShardWriter:
         self._plan = [info.name for infos in shards for info in infos]
         self._remaining = [len(infos) for infos in shards]
         self._fds: dict[int, int] = {}
+        self._flushes: list[Future] = []  # fsync + close of finished shards, on a background thread
+        self._flusher: ThreadPoolExecutor | None = None
         self._written: set[str] = set()
         self._partial: dict[str, int] = {}  # bytes written so far of tensors written in row blocks
         self._lock = threading.Lock()
@@ -198,6 +201,7 @@ class ShardWriter:
                 if remaining == 0 and shard not in self._fds and not self.files[shard].exists():
                     self._fds[shard] = self._create(shard)  # a shard without tensors (empty plan)
                     self._finish(shard)
+            self._wait_for_flushes()  # every shard is on disk before the index names it
             if self._index is not None:
                 weight_map = {name: self.files[self._slots[name].shard].name for name in self._plan}
                 index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
@@ -248,17 +252,33 @@ class ShardWriter:
         return fd
 
     def _finish(self, shard: int) -> None:
-        fd = self._fds.pop(shard)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        """Hand a full shard to the flusher thread: fsync then close, while the next shards are written."""
+        if self._flusher is None:
+            self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specmerge-fsync")
+        self._flushes.append(self._flusher.submit(_fsync_and_close, self._fds.pop(shard)))
+
+    def _wait_for_flushes(self, raise_errors: bool = True) -> None:
+        flushes, self._flushes = self._flushes, []
+        if self._flusher is not None:
+            self._flusher.shutdown(wait=True)
+            self._flusher = None
+        for flush in flushes:
+            if raise_errors:
+                flush.result()
 
     def _abort(self) -> None:
+        self._wait_for_flushes(raise_errors=False)
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
         self._closed = True
+
+
+def _fsync_and_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _plan_shards(tensors: Sequence[TensorInfo], max_shard_bytes: int) -> list[list[TensorInfo]]:
