@@ -73,40 +73,60 @@ def top_k_count(density: float, numel: int) -> int:
     return min(numel, math.ceil(Fraction(repr(float(density))) * numel))
 
 
-def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
-    """The k-th largest entry of a 1-D tensor of non-negative floats (a 0-d tensor), exactly, in O(numel).
+def top_k_rule(values: torch.Tensor, k: int) -> tuple[float, int]:
+    """Which entries of a 1-D float tensor are its k largest in magnitude, exactly, in O(numel).
 
-    A radix select on the bit patterns, which order like the values for non-negative floats: one
-    histogram of the top 16 bits finds the bucket holding the k-th largest, and a selection among that
-    bucket's entries (about 1/128 of an octave's) finishes. 10-20x faster than ``torch.topk`` or
-    ``torch.kthvalue`` over the whole tensor on the CPU (BENCHMARKS.md, issue 6).
+    Returns ``(threshold, last)``: entry j is kept iff ``|v_j| > threshold``, or ``|v_j| == threshold``
+    and ``j <= last`` (equal magnitudes at the threshold go in storage order). A radix select on the bit
+    patterns, which order like the magnitudes: one histogram of the top 16 bits of |v| finds the bucket
+    holding the k-th largest, and a selection among that bucket's entries (about 1/128 of an octave's)
+    finishes. 10-20x faster than ``torch.topk`` or ``torch.kthvalue`` on the CPU (BENCHMARKS.md, issue 6).
     """
-    if not 1 <= k <= values.numel():
-        raise ValueError(f"k must be in [1, {values.numel()}], got {k}")
+    n = values.numel()
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be in [1, {n}], got {k}")
     if values.dtype == torch.float64:
-        keys = (values.view(torch.int64) >> 48).to(torch.int32)
+        keys = (values.view(torch.int64) & 0x7FFF_FFFF_FFFF_FFFF).bitwise_right_shift_(48).to(torch.int32)
     else:
         values = values.float()  # exact for 16-bit floats
-        keys = values.view(torch.int32) >> 16
+        keys = (values.view(torch.int32) & 0x7FFF_FFFF).bitwise_right_shift_(16)
     histogram = torch.bincount(keys, minlength=1 << 16)
     from_top = histogram.flip(0).cumsum(0)  # entries in the top j + 1 buckets
     j = int(torch.searchsorted(from_top, k))
     bucket = histogram.numel() - 1 - j
     above = int(from_top[j] - histogram[bucket])  # entries in higher buckets, all larger
-    candidates = values[keys == bucket]
-    return torch.kthvalue(candidates, candidates.numel() - (k - above) + 1).values
+    positions = torch.nonzero(keys == bucket).squeeze(1)  # ascending
+    candidates = values[positions].abs()
+    threshold = torch.kthvalue(candidates, candidates.numel() - (k - above) + 1).values
+    missing = k - above - int(torch.count_nonzero(candidates > threshold))
+    ties = positions[candidates == threshold]
+    return float(threshold), int(ties[missing - 1]) if missing else -1
 
 
-def top_k_mask(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
-    """Boolean mask of the k largest entries of a 1-D non-negative tensor; ties at the threshold go by index."""
-    if k >= magnitudes.numel():
-        return torch.ones_like(magnitudes, dtype=torch.bool)
-    threshold = kth_largest(magnitudes, k)
+def kth_largest(values: torch.Tensor, k: int) -> float:
+    """The k-th largest magnitude of a 1-D float tensor (see :func:`top_k_rule`)."""
+    return top_k_rule(values, k)[0]
+
+
+def _kept(values: torch.Tensor, rule: tuple[float, int], start: int = 0) -> torch.Tensor:
+    """The keep-mask of ``values`` = entries ``start, start + 1, ...`` of the tensor ``rule`` was made for."""
+    threshold, last = rule
+    magnitudes = values.abs()
     keep = magnitudes > threshold
-    missing = k - int(torch.count_nonzero(keep))
-    if missing:  # equal magnitudes at the threshold: the first ones in storage order
-        keep[torch.nonzero(magnitudes == threshold).squeeze(1)[:missing]] = True
+    if last >= start:
+        head = slice(0, last + 1 - start)
+        keep[head] |= magnitudes[head] == threshold
     return keep
+
+
+def top_k_mask(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Boolean mask of the k entries of largest magnitude of a 1-D tensor; ties at the threshold go by index."""
+    if k >= values.numel():
+        return torch.ones_like(values, dtype=torch.bool)
+    return _kept(values, top_k_rule(values, k))
+
+
+TIES_CHUNK = 2**16  # entries per expert per chunk: the N x chunk working set of a TIES merge stays in cache
 
 
 def trim_by_magnitude(task_vectors: torch.Tensor, density: float) -> torch.Tensor:
@@ -119,10 +139,10 @@ def trim_by_magnitude(task_vectors: torch.Tensor, density: float) -> torch.Tenso
     k = top_k_count(density, flat.shape[1])
     if k == flat.shape[1]:
         return task_vectors.clone()
-    trimmed = torch.empty_like(flat)
     zero = flat.new_zeros(())
-    for i, tau_i in enumerate(flat):  # one expert at a time: the workspace is one tensor, not N
-        torch.where(top_k_mask(tau_i.abs(), k), tau_i, zero, out=trimmed[i])
+    trimmed = torch.empty_like(flat)
+    for i, tau_i in enumerate(flat):
+        torch.where(_kept(tau_i, top_k_rule(tau_i, k)), tau_i, zero, out=trimmed[i])
     return trimmed.reshape(task_vectors.shape)
 
 
@@ -160,10 +180,25 @@ def ties(task_vectors: torch.Tensor, *, density: Density = 0.2, scale: float = 1
         density: fraction of entries kept per expert and tensor, k = ceil(density * numel), in (0, 1].
         scale: lambda in merged = W_0 + lambda * disjoint_mean (1.0 as in Yadav et al.).
     """
-    trimmed = trim_by_magnitude(task_vectors, density)
-    sign = elect_sign(trimmed)
-    merged = disjoint_mean(trimmed, sign)
-    return LayerResult(scale * merged, {"n_experts": task_vectors.shape[0], **_sign_diagnostics(sign)})
+    flat = task_vectors.reshape(task_vectors.shape[0], -1)
+    k = top_k_count(density, flat.shape[1])
+    rules = [top_k_rule(tau_i, k) if k < flat.shape[1] else (-math.inf, -1) for tau_i in flat]
+    merged = torch.empty(flat.shape[1], dtype=flat.dtype, device=flat.device)
+    trimmed = torch.empty((flat.shape[0], min(TIES_CHUNK, flat.shape[1])), dtype=flat.dtype, device=flat.device)
+    zero, ties_at_zero = flat.new_zeros(()), 0
+    for start in range(0, flat.shape[1], TIES_CHUNK):  # the trim, the election and the mean, chunk by chunk
+        stop = min(start + TIES_CHUNK, flat.shape[1])
+        block = trimmed[:, : stop - start]
+        for i, rule in enumerate(rules):
+            tau = flat[i, start:stop]
+            torch.where(_kept(tau, rule, start), tau, zero, out=block[i])
+        sign = elect_sign(block)
+        ties_at_zero += int(torch.count_nonzero(sign == 0))
+        merged[start:stop] = disjoint_mean(block, sign)
+    diagnostics = {"n_experts": task_vectors.shape[0]}
+    if merged.numel():
+        diagnostics["sign_tie_fraction"] = ties_at_zero / merged.numel()
+    return LayerResult(merged.mul_(scale).reshape(task_vectors.shape[1:]), diagnostics)
 
 
 # ---------------------------------------------------------------------------------------------
