@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import low_rank_plus_noise
-from specmerge import get_method
+from specmerge import get_method, spectral
 from specmerge.filters import Exponential, Landweber, PseudoInverse, Tikhonov, TopK
 from specmerge.spectral import decompose, filtered_solve, initial_point, normal_equation
 
@@ -281,3 +281,18 @@ def test_shared_decompositions_reuse_one_eigh_and_change_nothing(monkeypatch):
     for a, b in zip(shared, separate, strict=True):
         assert torch.equal(a, b)
     torch.testing.assert_close(edited, 2 * separate[3])
+
+
+def test_rank_rules_choose_the_same_rank_in_float32_and_float64():
+    """The rank rules see eigenvalues down to the eigensolver's accuracy, not the numerical-rank cut:
+    in float32 the cut n_cols * eps * lambda_1 (here 3.7e-4 lambda_1) would drop real tail eigenvalues."""
+    from specmerge.speed import synthetic_stack
+
+    tau = synthetic_stack(4, 192, 1024, rank=8, noise=0.2)  # float32 with the solve cut: psqrt 99, float64 102
+    chosen = {}
+    for dtype in (torch.float32, torch.float64):
+        spectrum = spectral.decompose(spectral.normal_equation(tau.to(dtype)))
+        chosen[dtype] = {rule: spectral.choose_rank(rule, spectrum) for rule in ("psqrt", "gavish_donoho")}
+        if dtype == torch.float32:  # the case this guards: the solve's cut drops eigenvalues float64 keeps
+            assert int((spectrum.eigenvalues > 0).sum()) < int((spectrum.resolved > 0).sum())
+    assert chosen[torch.float32] == chosen[torch.float64]

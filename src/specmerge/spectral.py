@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -144,6 +145,12 @@ class Spectrum:
     ``eigenvalues`` holds the min(n_rows, n_cols) squared singular values of M in descending order,
     those at or below ``tol`` set to exactly zero; ``eigenvectors`` holds only the ``rank`` columns
     of Q whose eigenvalue is above ``tol`` (the rest never receive gain).
+
+    ``tol`` = n_cols eps lambda_1 (the usual numerical-rank cut) decides which directions are inverted.
+    The rank rules instead see ``resolved``: the eigenvalues cut at sqrt(n_cols) eps lambda_1, about 3x
+    the error the symmetric eigensolver actually makes. In float32 on a 768 x 3072 layer the first cut
+    (3.7e-4 lambda_1) drops 270 real eigenvalues that float64 keeps and moves the psqrt rank from 606 to
+    588; with the second the two precisions choose the same K (BENCHMARKS.md, issue 6).
     """
 
     eigenvalues: torch.Tensor
@@ -151,6 +158,12 @@ class Spectrum:
     n_rows: int
     n_cols: int
     tol: float
+    resolved: torch.Tensor | None = None
+
+    @property
+    def rule_eigenvalues(self) -> torch.Tensor:
+        """The eigenvalues the rank rules use (``resolved`` when known, else ``eigenvalues``)."""
+        return self.eigenvalues if self.resolved is None else self.resolved
 
     @property
     def rank(self) -> int:
@@ -174,14 +187,16 @@ def decompose(eq: NormalEquation, full_shape: tuple[int, int] | None = None) -> 
         M = eq.M
         lam, U = torch.linalg.eigh(M @ M.T)
         lam, U = lam.flip(0), U.flip(1)
+        resolved = _resolved(lam, n_cols, eps)
         lam, tol, rank = _zero_small(lam, n_cols, eps)
         Q = (M.T @ U[:, :rank]) / lam[:rank].sqrt()
     else:
         lam, Q = torch.linalg.eigh(eq.C)
         lam, Q = lam.flip(0), Q.flip(1)
+        resolved = _resolved(lam, n_cols, eps)
         lam, tol, rank = _zero_small(lam, n_cols, eps)
         Q = Q[:, :rank]
-    return Spectrum(lam, Q, n_rows, n_cols, tol)
+    return Spectrum(lam, Q, n_rows, n_cols, tol, resolved)
 
 
 def _zero_small(lam: torch.Tensor, n_cols: int, eps: float) -> tuple[torch.Tensor, float, int]:
@@ -191,11 +206,19 @@ def _zero_small(lam: torch.Tensor, n_cols: int, eps: float) -> tuple[torch.Tenso
     return lam, tol, int((lam > 0).sum())
 
 
+def _resolved(lam: torch.Tensor, n_cols: int, eps: float) -> torch.Tensor:
+    """Descending eigenvalues with those at or below sqrt(n_cols) * eps * lambda_1 set to 0 (see Spectrum)."""
+    floor = math.sqrt(n_cols) * eps * float(lam[0].clamp(min=0)) if lam.numel() else 0.0
+    return torch.where(lam > floor, lam, torch.zeros_like(lam))
+
+
 def _embed(core: Spectrum, n_rows: int, n_cols: int, eps: float) -> Spectrum:
-    """The spectrum of the real layer from that of its core: zeros appended, tolerance of the real d_in."""
+    """The spectrum of the real layer from that of its core: zeros appended, tolerances of the real d_in."""
+    pad = max(0, min(n_rows, n_cols) - core.eigenvalues.numel())
+    resolved = _resolved(core.rule_eigenvalues, n_cols, eps)
     lam, tol, rank = _zero_small(core.eigenvalues, n_cols, eps)
-    padded = torch.cat([lam, lam.new_zeros(max(0, min(n_rows, n_cols) - lam.numel()))])
-    return Spectrum(padded, core.eigenvectors[:, :rank], n_rows, n_cols, tol)
+    padded, resolved = (torch.cat([x, x.new_zeros(pad)]) for x in (lam, resolved))
+    return Spectrum(padded, core.eigenvectors[:, :rank], n_rows, n_cols, tol, resolved)
 
 
 def filtered_solve(
@@ -220,12 +243,13 @@ def filtered_solve(
 
 def choose_rank(rule: RankRule, spectrum: Spectrum) -> int:
     """K from a named rank rule applied to the spectrum of C."""
+    lam = spectrum.rule_eigenvalues
     if rule == "psqrt":
-        return rank_rules.psqrt_rank(spectrum.eigenvalues)
+        return rank_rules.psqrt_rank(lam)
     if rule == "gavish_donoho":
-        return rank_rules.gavish_donoho_rank(spectrum.eigenvalues, spectrum.n_rows, spectrum.n_cols)
+        return rank_rules.gavish_donoho_rank(lam, spectrum.n_rows, spectrum.n_cols)
     if rule == "participation":
-        return rank_rules.participation_rank(spectrum.eigenvalues)
+        return rank_rules.participation_rank(lam)
     raise ValueError(f"unknown rank rule {rule!r}: use psqrt, gavish_donoho or participation")
 
 
