@@ -276,3 +276,25 @@ def test_transformers_round_trip(tmp_path):
 
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert_same(loaded.state_dict(), original.state_dict())
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_shards_are_synced_while_written_and_when_full_unless_asked_not_to(tmp_path, monkeypatch, fsync):
+    import os
+
+    from specmerge import writer as writer_module
+
+    calls = []
+    real_fsync, real_fdatasync = os.fsync, os.fdatasync
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(("fsync", fd)) or real_fsync(fd))
+    monkeypatch.setattr(os, "fdatasync", lambda fd: calls.append(("fdatasync", fd)) or real_fdatasync(fd))
+    monkeypatch.setattr(writer_module, "SYNC_BYTES", 3 * 64 * 32 * 4)  # a background sync every 3 tensors
+    values = {f"w{i}": torch.randn(64, 32) for i in range(20)}
+    files = write_all(tmp_path, values, max_shard_bytes=64 * 32 * 4 * 10, fsync=fsync)
+    assert_same({n: open_source(tmp_path).load(n) for n in values}, values)
+    assert len(files) == 3  # two shards and the index
+    if not fsync:
+        assert calls == []
+        return
+    assert [kind for kind, _ in calls].count("fsync") == 2  # once per shard, when it is full
+    assert [kind for kind, _ in calls].count("fdatasync") >= 2  # and in the background while it is written

@@ -37,12 +37,14 @@ def merge(
     params: dict[str, Any] | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    fsync: bool = True,
     **options: Any,
 ) -> dict[str, Any]:
     """Merge ``experts`` (fine-tuned from ``base``) into a new model folder ``output``; return the report.
 
     ``options`` are the other recipe fields (overrides, dtype, device, shard_size, non_matrix, ...),
-    see :class:`specmerge.recipe.Recipe`. Everything is validated before any tensor is read.
+    see :class:`specmerge.recipe.Recipe`. Everything is validated before any tensor is read. With
+    ``fsync`` (default) the shards are flushed to disk before the folder is renamed into place.
     """
     recipe = Recipe.from_dict(
         {  # absolute paths: the recipe written next to the output must work from anywhere
@@ -53,10 +55,12 @@ def merge(
             **options,
         }
     )
-    return run_recipe(recipe, output, overwrite=overwrite, progress=progress)
+    return run_recipe(recipe, output, overwrite=overwrite, progress=progress, fsync=fsync)
 
 
-def run_recipe(recipe: Recipe, output: str | os.PathLike, *, overwrite: bool = False, progress: bool = True) -> dict:
+def run_recipe(
+    recipe: Recipe, output: str | os.PathLike, *, overwrite: bool = False, progress: bool = True, fsync: bool = True
+) -> dict:
     """Run a validated recipe and write the merged model (or adapter) folder atomically; return the report."""
     output = Path(output)
     _refuse_output_inside_inputs(output, [recipe.base, *recipe.experts])
@@ -74,7 +78,9 @@ def run_recipe(recipe: Recipe, output: str | os.PathLike, *, overwrite: bool = F
             if recipe.output_format == "lora":
                 reports, extra = _write_adapter(recipe, plan, experts, folder, device, compute_dtype, progress)
             else:
-                reports, extra = _write_model(recipe, plan, base, experts, folder, device, compute_dtype, progress)
+                reports, extra = _write_model(
+                    recipe, plan, base, experts, folder, device, compute_dtype, progress, fsync
+                )
             report = {
                 "specmerge": __version__,
                 "method": recipe.method,
@@ -108,12 +114,13 @@ def open_expert(path: str | os.PathLike, base_infos: dict[str, TensorInfo]) -> T
         raise
 
 
-def _write_model(recipe, plan, base, experts, folder, device, compute_dtype, progress) -> tuple[list, dict]:
+def _write_model(recipe, plan, base, experts, folder, device, compute_dtype, progress, fsync) -> tuple[list, dict]:
     writer = ShardWriter(
         folder,
         [TensorInfo(p.name, p.shape, p.out_dtype) for p in plan],
         max_shard_bytes=recipe.shard_bytes,
         metadata={"merged_with": f"specmerge {__version__}", "method": recipe.method},
+        fsync=fsync,
     )
     with writer:  # closes (index, completeness check) on success, aborts on error
         reports = run_plan(

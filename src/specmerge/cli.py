@@ -79,6 +79,7 @@ def _merge_command(args: argparse.Namespace) -> int:
         params=_parse_params(args.param),
         overwrite=args.overwrite,
         progress=not args.quiet,
+        fsync=not args.no_fsync,
         **options,
     )
     _print_summary(report, args.output)
@@ -89,7 +90,13 @@ def _run_command(args: argparse.Namespace) -> int:
     from specmerge.api import run_recipe
     from specmerge.recipe import load_recipe
 
-    report = run_recipe(load_recipe(args.recipe), args.output, overwrite=args.overwrite, progress=not args.quiet)
+    report = run_recipe(
+        load_recipe(args.recipe),
+        args.output,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+        fsync=not args.no_fsync,
+    )
     _print_summary(report, args.output)
     return 0
 
@@ -136,6 +143,12 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", required=True, help="new model folder (must not exist unless --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-fsync",
+        action="store_true",
+        help="do not flush the output to disk before renaming it into place (faster on slow disks, as other "
+        "tools do; a power cut or OS crash soon after may then leave an incomplete model folder)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -232,8 +232,9 @@ def _linear_merge(
     several times (BENCHMARKS.md, issue 6). Checkpoints in a dtype at most half as wide as ``dtype``
     (16-bit weights, float32 compute) are summed first, sum_i W_i - N W_0: every term and partial sum
     is exact in ``dtype`` unless an entry's N + 1 values span more than about 2^11, so this is the same
-    number with N fewer passes. Wider checkpoints subtract W_0 from each W_i before summing, which
-    avoids cancellation. The diagnostics are the registry method's.
+    number with N fewer passes, and W_0 + c * sum is one fused pass. Wider checkpoints subtract W_0 from
+    each W_i before summing, which avoids cancellation, and scale then add as the registry method does.
+    The diagnostics are the registry method's.
     """
     out = torch.empty(base_tensor.shape, dtype=entry.out_dtype)
     flat_out, flat_base = out.view(-1), base_tensor.reshape(-1)
@@ -246,15 +247,22 @@ def _linear_merge(
         stop = min(start + chunk, flat_out.numel())
         b, a, t = base_c[: stop - start], acc[: stop - start], tau[: stop - start]
         b.copy_(flat_base[start:stop])
-        a.zero_()
-        for item in flat_items:
-            t.copy_(item[start:stop])
-            a.add_(t if sum_first else t.sub_(b))
+        for j, item in enumerate(flat_items):
+            if j == 0:
+                a.copy_(item[start:stop])
+                if not sum_first:
+                    a.sub_(b)
+            else:
+                t.copy_(item[start:stop])
+                a.add_(t if sum_first else t.sub_(b))
         if sum_first:
             a.sub_(b, alpha=len(flat_items))
-        a.mul_(coefficient)
-        squares += float(torch.dot(a, a))
-        flat_out[start:stop].copy_(a.add_(b))
+        if sum_first:  # one fused pass: the output's 16 bits hide the difference from a * c + b
+            squares += float(torch.dot(a, a)) * coefficient**2
+            flat_out[start:stop].copy_(torch.add(b, a, alpha=coefficient, out=a))
+        else:
+            squares += float(torch.dot(a.mul_(coefficient), a))
+            flat_out[start:stop].copy_(a.add_(b))
     if entry.action == "average":
         return out, {"route": "dense"}
     return out, {"n_experts": len(items), "delta_norm": math.sqrt(squares), "route": "dense"}

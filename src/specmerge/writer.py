@@ -59,6 +59,9 @@ def safetensors_dtype(dtype: torch.dtype) -> str:
         raise ValueError(f"dtype {dtype} cannot be stored in safetensors; cast the tensor first") from None
 
 
+SYNC_BYTES = 64 * 2**20  # an open shard is synced in the background every time this much more is written
+
+
 @dataclass(frozen=True)
 class _Slot:
     info: TensorInfo
@@ -74,7 +77,9 @@ class ShardWriter:
     as ``model.safetensors``; several as ``model-00001-of-0000K.safetensors`` plus
     ``model.safetensors.index.json``. Within a shard, tensors are laid out by decreasing element size
     (stable), as safetensors itself does, so that every tensor's data is aligned to its element size.
-    Each file is created (header written, size reserved) at its first ``write`` and closed once full.
+    Each file is created (header written, size reserved) at its first ``write`` and closed once full;
+    with ``fsync`` (default) its bytes are flushed to disk in the background as they are written
+    (every ``SYNC_BYTES``) and once more when full, and ``close`` returns only when all are on disk.
     ``write`` is safe to call from several threads.
     """
 
@@ -84,8 +89,10 @@ class ShardWriter:
         tensors: Sequence[TensorInfo],
         max_shard_bytes: int = 5 * 2**30,
         metadata: dict[str, str] | None = None,
+        fsync: bool = True,
     ) -> None:
         self.directory = Path(directory)
+        self._fsync = fsync
         if not self.directory.is_dir():
             raise ValueError(f"output folder {self.directory} does not exist; create it first")
         if max_shard_bytes <= 0:
@@ -119,8 +126,10 @@ class ShardWriter:
         self._plan = [info.name for infos in shards for info in infos]
         self._remaining = [len(infos) for infos in shards]
         self._fds: dict[int, int] = {}
-        self._flushes: list[Future] = []  # fsync + close of finished shards, on a background thread
+        self._flushes: list[Future] = []  # fdatasync / fsync + close of shards, on a background thread
         self._flusher: ThreadPoolExecutor | None = None
+        self._unsynced: dict[int, int] = {}  # bytes written to an open shard since its last sync was started
+        self._syncing: dict[int, Future] = {}
         self._written: set[str] = set()
         self._partial: dict[str, int] = {}  # bytes written so far of tensors written in row blocks
         self._lock = threading.Lock()
@@ -179,11 +188,15 @@ class ShardWriter:
             with self._lock:
                 self._written.discard(name)  # close() then reports it as never written
             raise
-        if complete:
-            with self._lock:
+        with self._lock:
+            if complete:
                 self._remaining[slot.shard] -= 1
                 if self._remaining[slot.shard] == 0:
                     self._finish(slot.shard)
+                    return
+            self._unsynced[slot.shard] = self._unsynced.get(slot.shard, 0) + tensor.numel() * tensor.dtype.itemsize
+            if self._fsync and self._unsynced[slot.shard] >= SYNC_BYTES:
+                self._start_sync(slot.shard)
 
     def close(self) -> list[Path]:
         """Check every planned tensor was written, write the index when sharded; return the files written."""
@@ -253,9 +266,26 @@ class ShardWriter:
 
     def _finish(self, shard: int) -> None:
         """Hand a full shard to the flusher thread: fsync then close, while the next shards are written."""
+        fd = self._fds.pop(shard)
+        if self._fsync:
+            self._flushes.append(self._flush_pool().submit(_fsync_and_close, fd))
+        else:
+            os.close(fd)
+
+    def _start_sync(self, shard: int) -> None:
+        """Start writing an open shard's new bytes to disk in the background (unless a sync is running), so
+        the fsync at its end has little left to do: the disk works while we compute (BENCHMARKS.md, issue 6)."""
+        running = self._syncing.get(shard)
+        if running is not None and not running.done():
+            return
+        self._unsynced[shard] = 0
+        self._syncing[shard] = self._flush_pool().submit(getattr(os, "fdatasync", os.fsync), self._fds[shard])
+        self._flushes.append(self._syncing[shard])
+
+    def _flush_pool(self) -> ThreadPoolExecutor:
         if self._flusher is None:
             self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specmerge-fsync")
-        self._flushes.append(self._flusher.submit(_fsync_and_close, self._fds.pop(shard)))
+        return self._flusher
 
     def _wait_for_flushes(self, raise_errors: bool = True) -> None:
         flushes, self._flushes = self._flushes, []
