@@ -12,6 +12,8 @@ Jobs:
   write an output of the base's size with ``safetensors.torch.save_file`` (same shard layout), shard by shard.
   safetensors >= 0.4 returns memory-mapped tensors whose bytes are only read when touched, so the floor
   copies every tensor's bytes once into a reused buffer (a memcpy, the cheapest way to read them);
+- ``io_floor + fsync``: the same, then ``os.fsync`` of each written file (the floor of a durable output:
+  specmerge syncs its output before renaming it into place, unless ``--no-fsync``);
 - ``write only (lazy get_tensor)``: the same without touching the bytes (the experts are never read: not a
   floor for a merge, which must read them; shown because earlier runs used it as the floor);
 - ``specmerge task_arithmetic`` / ``ties``: ``specmerge merge`` (fp16 output, 0.3 scale for TA, TIES top 20 %
@@ -20,7 +22,8 @@ Jobs:
   (weight 0.3 per expert for TA; density 0.2, weight 1 for TIES), CPU, ``--lazy-unpickle --async-write``
   (its faster writing option).
 After each round the outputs are compared (max |difference| of every tensor, specmerge vs mergekit).
-The page cache is warm for every job (a first untimed read of all inputs); mergekit is installed in its own
+The page cache is warm for every job (a first untimed read of all inputs) and no dirty pages are pending
+(an untimed ``sync`` before each job); mergekit is installed in its own
 virtualenv (``pip install -c constraints.txt mergekit``), it is not a dependency of specmerge.
 """
 
@@ -39,12 +42,12 @@ import time
 from pathlib import Path
 
 FLOOR = r"""
-import json, sys
+import json, os, sys
 from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-models, out, read = [Path(p) for p in json.loads(sys.argv[1])], Path(sys.argv[2]), sys.argv[3] == "read"
+models, out, mode = [Path(p) for p in json.loads(sys.argv[1])], Path(sys.argv[2]), sys.argv[3]
 base = models[0]
 index = json.loads((base / "model.safetensors.index.json").read_text())
 scratch = torch.empty(1 << 26, dtype=torch.uint8)  # reused: reading costs no fresh pages
@@ -53,7 +56,7 @@ for shard in sorted(set(index["weight_map"].values())):
     for model in models:
         with safe_open(model / shard, "pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-        if read:  # get_tensor maps the file lazily: pass every byte through memory once
+        if mode != "lazy":  # get_tensor maps the file lazily: pass every byte through memory once
             for tensor in tensors.values():
                 data = tensor.reshape(-1).view(torch.uint8)
                 for start in range(0, data.numel(), scratch.numel()):
@@ -62,6 +65,9 @@ for shard in sorted(set(index["weight_map"].values())):
         if model == base:
             written = tensors
     save_file(written, out / shard, metadata={"format": "pt"})
+    if mode == "read+fsync":
+        with open(out / shard, "rb+") as f:
+            os.fsync(f.fileno())
 """
 
 
@@ -142,6 +148,7 @@ def main() -> None:
     parser.add_argument("--mergekit", help="path of mergekit-yaml (in its own virtualenv); omit to skip mergekit")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--methods", nargs="+", default=["task_arithmetic", "ties"])
+    parser.add_argument("--no-fsync-rows", action="store_true", help="also run specmerge with --no-fsync")
     parser.add_argument("--work", type=Path, help="scratch folder for outputs (default: next to the models)")
     parser.add_argument("--before-src", type=Path,
                         help="also run specmerge from this source tree (a worktree of an older commit)")  # fmt: skip
@@ -160,6 +167,8 @@ def main() -> None:
         envs: dict[str, dict[str, str]] = {}
         inputs = json.dumps([str(base), *map(str, experts)])
         jobs["io_floor"] = ([sys.executable, "-c", FLOOR, inputs, str(work / "io_floor"), "read"], work / "io_floor")
+        durable = work / "io_floor_fsync"
+        jobs["io_floor + fsync"] = ([sys.executable, "-c", FLOOR, inputs, str(durable), "read+fsync"], durable)
         lazy = work / "write_only"
         jobs["write only (lazy get_tensor)"] = ([sys.executable, "-c", FLOOR, inputs, str(lazy), "lazy"], lazy)
         for method in args.methods:
@@ -167,6 +176,10 @@ def main() -> None:
             ours = work / f"specmerge-{method}"
             command = [*specmerge, "merge", str(base), *map(str, experts), "--method", method, *scale]
             jobs[f"specmerge {method}"] = ([*command, "--dtype", "float16", "-q", "--output", str(ours)], ours)
+            if args.no_fsync_rows:
+                quick = work / f"specmerge-nosync-{method}"
+                jobs[f"specmerge {method} --no-fsync"] = ([*command, "--dtype", "float16", "-q", "--no-fsync",
+                                                           "--output", str(quick)], quick)  # fmt: skip
             if args.before_src:
                 older = work / f"before-{method}"
                 jobs[f"specmerge (before) {method}"] = ([*command, "--dtype", "float16", "-q", "--output", str(older)],
@@ -182,20 +195,25 @@ def main() -> None:
         for round_ in range(args.repeats):
             for name, (command, output) in jobs.items():
                 shutil.rmtree(output, ignore_errors=True)
+                os.sync()  # untimed: no job pays for writing back the previous one's output
                 if "specmerge" not in name and "mergekit" not in name:
                     output.mkdir()
                 results[name].append(run_job(command, envs.get(name)))
                 print(f"round {round_} {name}: {results[name][-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
         gib = 2.0**30
         floor = statistics.median(r["seconds"] for r in results["io_floor"])
+        floor_fsync = statistics.median(r["seconds"] for r in results["io_floor + fsync"])
         print(f"\n{os.cpu_count()} CPUs; median of {args.repeats} rounds; warm page cache\n")
-        print("| job | seconds (median) | x I/O floor | peak RSS (GiB) | peak anonymous (GiB) |")
-        print("|---|---:|---:|---:|---:|")
+        print("| job | seconds (median) | x I/O floor | x I/O floor + fsync | peak RSS (GiB) | peak anonymous (GiB) |")
+        print("|---|---:|---:|---:|---:|---:|")
         for name, runs in results.items():
             seconds = statistics.median(r["seconds"] for r in runs)
             rss = max(r["peak_rss"] for r in runs) / gib
             anon = max(r["peak_anon"] for r in runs) / gib
-            print(f"| {name} | {seconds:.1f} | {seconds / floor:.2f} | {rss:.2f} | {anon:.2f} |")
+            ratios = f"{seconds / floor:.2f} | {seconds / floor_fsync:.2f}"
+            print(f"| {name} | {seconds:.2f} | {ratios} | {rss:.2f} | {anon:.2f} |")
+        rounds = ["/".join(f"{r['seconds']:.1f}" for r in runs) for runs in results.values()]
+        print("\nper round (s): " + "; ".join(f"{name} {r}" for name, r in zip(results, rounds, strict=True)))
         if args.mergekit:
             print()
             for method in args.methods:

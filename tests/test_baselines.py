@@ -433,3 +433,18 @@ def test_disjoint_mean_matches_its_definition():
     agree = (torch.sign(tau) == sign) & (sign != 0)
     expected = torch.where(agree, tau, 0.0).sum(0) / agree.sum(0).clamp(min=1)
     torch.testing.assert_close(disjoint_mean(tau, sign), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("density", [0.2, 0.5, 1.0])
+def test_chunked_ties_equals_the_whole_tensor_steps(density, monkeypatch):
+    import specmerge.baselines as baselines
+
+    monkeypatch.setattr(baselines, "TIES_CHUNK", 100)  # many chunks, a ragged last one, ties across chunks
+    g = torch.Generator().manual_seed(2)
+    tau = torch.randint(-3, 4, (4, 37, 29), generator=g).float()  # the threshold's ties span several chunks
+    trimmed = trim_by_magnitude(tau, density)
+    expected = disjoint_mean(trimmed.reshape(4, -1), elect_sign(trimmed.reshape(4, -1))).reshape(37, 29)
+    result = ties(tau, density=density, scale=0.5)
+    torch.testing.assert_close(result.delta, 0.5 * expected, rtol=0, atol=0)
+    sign = elect_sign(trimmed)
+    assert result.diagnostics["sign_tie_fraction"] == pytest.approx(float((sign == 0).double().mean()))
