@@ -3,6 +3,7 @@
 import json
 import struct
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,6 +152,46 @@ def test_pytorch_bin_folder_single_and_sharded(tmp_path):
     with open_source(tmp_path / "sharded") as source:
         assert list(source.infos()) == names
         assert_same(read_all(source), expected)
+
+
+def test_safetensors_loads_are_private_maps_released_when_freed(tmp_path):
+    expected = {"big": torch.randn(300, 70), **tensors()}  # "big" spans pages: a map at an unaligned offset
+    path = tmp_path / "w.safetensors"
+    save_file(expected, path)
+    before = path.read_bytes()
+    source = open_source(path)
+    source.infos()
+    maps = Path("/proc/self/maps")
+
+    def mapped() -> int:  # maps of the file (safe_open keeps one of its own for the header)
+        return maps.read_text().count(str(path)) if maps.exists() else 0
+
+    held = mapped()
+    loaded = read_all(source)
+    assert_same(loaded, expected)
+    for tensor in loaded.values():  # copy on write: in-place arithmetic never reaches the file
+        tensor.zero_() if tensor.dtype != torch.bool else tensor.logical_not_()
+    assert path.read_bytes() == before
+    assert_same(read_all(source), expected)
+    rows = source.load("big", rows=(17, 230))
+    assert torch.equal(rows, expected["big"][17:230])
+    assert mapped() >= held + (2 if maps.exists() else 0)
+    del loaded, rows, tensor
+    assert mapped() == held  # the tensors' maps are gone with them
+
+
+def test_safetensors_reads_fall_back_to_pread_without_memory_maps(tmp_path, monkeypatch):
+    import specmerge.sources as sources
+
+    def no_maps(*args):
+        raise OSError("no memory maps here")
+
+    monkeypatch.setattr(sources, "_mapped", no_maps)
+    expected = tensors()
+    save_file(expected, tmp_path / "w.safetensors")
+    source = open_source(tmp_path / "w.safetensors")
+    assert_same(read_all(source), expected)
+    assert torch.equal(source.load("embed.weight", rows=(2, 5)), expected["embed.weight"][2:5])
 
 
 def test_pytorch_loads_are_private_copies(tmp_path):
