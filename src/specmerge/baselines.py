@@ -184,20 +184,21 @@ def ties(task_vectors: torch.Tensor, *, density: Density = 0.2, scale: float = 1
     k = top_k_count(density, flat.shape[1])
     rules = [top_k_rule(tau_i, k) if k < flat.shape[1] else (-math.inf, -1) for tau_i in flat]
     merged = torch.empty(flat.shape[1], dtype=flat.dtype, device=flat.device)
-    trimmed = torch.empty((flat.shape[0], min(TIES_CHUNK, flat.shape[1])), dtype=flat.dtype, device=flat.device)
-    zero, ties_at_zero = flat.new_zeros(()), 0
-    for start in range(0, flat.shape[1], TIES_CHUNK):  # the trim, the election and the mean, chunk by chunk
-        stop = min(start + TIES_CHUNK, flat.shape[1])
+    chunk = max(1, TIES_CHUNK if flat.device.type == "cpu" else flat.shape[1])  # GPUs: one chunk, no syncs
+    trimmed = torch.empty((flat.shape[0], min(chunk, flat.shape[1])), dtype=flat.dtype, device=flat.device)
+    zero, ties_at_zero = flat.new_zeros(()), torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.shape[1], chunk):  # the trim, the election and the mean, chunk by chunk
+        stop = min(start + chunk, flat.shape[1])
         block = trimmed[:, : stop - start]
         for i, rule in enumerate(rules):
             tau = flat[i, start:stop]
             torch.where(_kept(tau, rule, start), tau, zero, out=block[i])
         sign = elect_sign(block)
-        ties_at_zero += int(torch.count_nonzero(sign == 0))
+        ties_at_zero += torch.count_nonzero(sign == 0)
         merged[start:stop] = disjoint_mean(block, sign)
     diagnostics = {"n_experts": task_vectors.shape[0]}
     if merged.numel():
-        diagnostics["sign_tie_fraction"] = ties_at_zero / merged.numel()
+        diagnostics["sign_tie_fraction"] = int(ties_at_zero) / merged.numel()
     return LayerResult(merged.mul_(scale).reshape(task_vectors.shape[1:]), diagnostics)
 
 

@@ -275,10 +275,11 @@ def _mapped(fd: int, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
     """
     aligned = start - start % mmap.ALLOCATIONGRANULARITY
     region = mmap.mmap(fd, stop - aligned, access=mmap.ACCESS_COPY, offset=aligned)
-    try:
-        region.madvise(MADV_POPULATE_READ)
-    except (OSError, ValueError):
-        region.madvise(mmap.MADV_WILLNEED)
+    if hasattr(region, "madvise"):  # not on Windows
+        try:
+            region.madvise(MADV_POPULATE_READ)
+        except (OSError, ValueError):
+            region.madvise(mmap.MADV_WILLNEED)
     count = (stop - start) // dtype.itemsize
     return torch.frombuffer(region, dtype=dtype, count=count, offset=start - aligned)
 

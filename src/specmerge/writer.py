@@ -292,8 +292,8 @@ class ShardWriter:
         if self._flusher is not None:
             self._flusher.shutdown(wait=True)
             self._flusher = None
-        for flush in flushes:
-            if raise_errors:
+        if raise_errors:
+            for flush in flushes:
                 flush.result()
 
     def _abort(self) -> None:
