@@ -109,11 +109,13 @@ def kept_ranks(spectrum: Spectrum, rank_ratio: float) -> dict[str, int]:
 
 def residual_projections(eq: NormalEquation, spectrum: Spectrum, tau_init: torch.Tensor | None) -> torch.Tensor:
     """B Q for B = D - tau_init C and the eigenvectors Q with non-zero eigenvalue (d_out x rank), paper App. B.3."""
-    Q = spectrum.eigenvectors
-    projected = eq.D @ Q
-    if tau_init is not None:
-        projected = projected - (tau_init @ Q) * spectrum.eigenvalues[: spectrum.rank]
-    return projected
+    return _projected(eq.D, tau_init, spectrum.eigenvectors, spectrum.eigenvalues[: spectrum.rank])
+
+
+def _projected(D: torch.Tensor, tau_init: torch.Tensor | None, Q: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """(D - tau_init C) Q computed as D Q - (tau_init Q) diag(lambda), C never formed."""
+    projected = D @ Q
+    return projected if tau_init is None else projected - (tau_init @ Q) * lam
 
 
 def direction_reductions(eq: NormalEquation, spectrum: Spectrum, tau_init: torch.Tensor | None) -> torch.Tensor:
@@ -220,7 +222,7 @@ class FilterProblem:
 
     def residual_projections(self) -> torch.Tensor:
         """B Q with B = D - tau_init C: the closed-form residual of direction k is B q_k / lambda_k."""
-        return self.D @ self.Q - (self.tau_init @ self.Q) * self.eigenvalues
+        return _projected(self.D, self.tau_init, self.Q, self.eigenvalues)
 
 
 def dense_problem(eq: NormalEquation, spectrum: Spectrum, tau_init: torch.Tensor | None) -> FilterProblem:

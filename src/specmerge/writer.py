@@ -194,9 +194,10 @@ class ShardWriter:
                 if self._remaining[slot.shard] == 0:
                     self._finish(slot.shard)
                     return
-            self._unsynced[slot.shard] = self._unsynced.get(slot.shard, 0) + tensor.numel() * tensor.dtype.itemsize
-            if self._fsync and self._unsynced[slot.shard] >= SYNC_BYTES:
-                self._start_sync(slot.shard)
+            if self._fsync:
+                self._unsynced[slot.shard] = self._unsynced.get(slot.shard, 0) + tensor.numel() * tensor.dtype.itemsize
+                if self._unsynced[slot.shard] >= SYNC_BYTES:
+                    self._start_sync(slot.shard)
 
     def close(self) -> list[Path]:
         """Check every planned tensor was written, write the index when sharded; return the files written."""
