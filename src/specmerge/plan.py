@@ -47,6 +47,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from specmerge.errors import SpecmergeError
 from specmerge.recipe import DTYPES, Recipe
 from specmerge.registry import Method, get_method
 
@@ -91,7 +92,7 @@ class TensorPlan:
     reason: str  # short human text: "2-D linear weight", "embedding", "override '*.mlp.*'", ...
 
 
-class PlanError(ValueError):
+class PlanError(SpecmergeError):
     """The checkpoints and the recipe do not fit together; the message names the tensor and the file."""
 
 

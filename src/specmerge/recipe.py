@@ -22,6 +22,7 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from specmerge.errors import SpecmergeError
 from specmerge.registry import get_method, methods, unknown_name_message
 
 # Output and compute dtypes a recipe may name.
@@ -38,7 +39,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 _DEVICE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 
 
-class RecipeError(ValueError):
+class RecipeError(SpecmergeError):
     """An invalid recipe. ``loc`` is the place in the recipe document (keys and list indices), when known."""
 
     def __init__(self, message: str, loc: Sequence[str | int] = ()) -> None:

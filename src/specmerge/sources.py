@@ -26,6 +26,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from safetensors import SafetensorError, safe_open
 
+from specmerge.errors import SpecmergeError
+
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
 TORCH_INDEX = "pytorch_model.bin.index.json"
@@ -56,7 +58,7 @@ for _code, _attr in (
         SAFETENSORS_DTYPES[_code] = getattr(torch, _attr)
 
 
-class SourceError(ValueError):
+class SourceError(SpecmergeError):
     """A checkpoint cannot be opened or read; the message names the file or tensor and what to do."""
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from specmerge.errors import SpecmergeError
 from specmerge.sources import SAFETENSORS_DTYPES, SAFETENSORS_FILE, SAFETENSORS_INDEX, TensorInfo
 
 _DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
@@ -347,7 +348,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int, lock: threading.Lock | N
         offset += n
 
 
-class OutputError(ValueError):
+class OutputError(SpecmergeError):
     """The output location cannot be used."""
 
 
