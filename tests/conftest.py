@@ -1,5 +1,33 @@
+from pathlib import Path
+
 import pytest
 import torch
+
+# Tests whose results depend on floating-point reduction order, which changes with the thread count.
+# `make test` runs them a second time with OMP_NUM_THREADS=1 (`pytest -m numerical`), so a tolerance that
+# holds at one thread count and not another shows up before it lands (issue 13).
+NUMERICAL_MODULES = frozenset(
+    {
+        "test_spectral.py",
+        "test_rank_rules.py",
+        "test_lora_factored.py",
+        "test_float32_accuracy.py",
+        "test_baselines.py",
+        "test_iterative.py",
+        "test_executor_linear.py",
+        "test_layout.py",
+    }
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "numerical: floating-point results; run at two thread counts by `make test`")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(str(item.fspath)).name in NUMERICAL_MODULES:
+            item.add_marker(pytest.mark.numerical)
 
 
 @pytest.fixture(autouse=True)

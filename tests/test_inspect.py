@@ -319,7 +319,7 @@ def test_inspect_bad_inputs_exit_with_one_line(bert, tmp_path, capsys):
     assert main([*args, "--overwrite"]) == 0
     assert main([*args, "--overwrite", "--wudi-layer", "nope"]) == 2
     assert "--wudi-layer 'nope'" in capsys.readouterr().err
-    assert not list(tmp_path.glob(".report.tmp-*"))  # nothing half-written left behind
+    assert not list(tmp_path.glob(".report.specmerge-tmp-*"))  # nothing half-written left behind
 
 
 def test_method_specs_are_validated_before_reading():

@@ -210,7 +210,6 @@ def test_overrides_come_first_and_the_first_match_wins():
         overrides=[
             {"pattern": "*.mlp.down_proj.weight", "action": "keep_base"},
             {"pattern": "*.mlp.*", "method": "ties", "params": {"density": 0.5}},
-            {"pattern": "*.mlp.up_proj.weight", "action": "average"},  # shadowed by the previous one
             {"pattern": "model.embed_tokens.weight", "params": {"rule": "gavish_donoho"}},
             {"pattern": "*layernorm*", "action": "keep_base"},
         ],

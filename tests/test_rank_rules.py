@@ -107,3 +107,14 @@ def test_gavish_donoho_pure_noise_gives_zero():
     noise = torch.randn(500, 250, generator=g, dtype=torch.float64)
     lam = torch.linalg.eigvalsh(noise.T @ noise).flip(0)
     assert gavish_donoho_rank(lam, 500, 250) == 0
+
+
+def test_gavish_donoho_noise_level_can_come_from_other_eigenvalues():
+    """specmerge counts resolved eigenvalues but takes the noise median from all of them as computed: zeroing the
+    bottom of a noise bulk (below what float32's eigh resolves) must not drag the median, and the cut, to 0."""
+    spikes = torch.tensor([9.0, 7.0, 5.0], dtype=torch.float64)
+    bulk = torch.linspace(1e-2, 1e-4, 17, dtype=torch.float64)
+    computed = torch.cat([spikes, bulk])
+    resolved = torch.where(computed > 9e-3, computed, torch.zeros_like(computed))  # 15 of 20 zeroed: median 0
+    assert gavish_donoho_rank(resolved, 40, 20) == int((resolved > 0).sum()) == 5  # every resolved one kept
+    assert gavish_donoho_rank(resolved, 40, 20, median_of=computed) == gavish_donoho_rank(computed, 40, 20) == 3

@@ -1,5 +1,7 @@
 """The unified spectral filtering estimator against independent computations (paper Sec. 3-4, App. B)."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -7,7 +9,7 @@ import torch
 from conftest import low_rank_plus_noise
 from specmerge import get_method, spectral
 from specmerge.filters import Exponential, Landweber, PseudoInverse, Tikhonov, TopK
-from specmerge.spectral import decompose, filtered_solve, initial_point, normal_equation
+from specmerge.spectral import Spectrum, decompose, filtered_solve, initial_point, inverse_gains, normal_equation
 
 # (N, d_out, d_in): full-rank C, and rank-deficient C with N d_out < d_in (the M M^T route)
 SHAPES = [(4, 12, 9), (3, 5, 11), (2, 3, 17)]
@@ -167,7 +169,7 @@ def test_both_eigen_routes_agree():
     # same C reached through d_in x d_in eigh and through the (N d_out)^2 Gram of M
     tau = stack((2, 4, 30))
     eq = normal_equation(tau)
-    spectrum = decompose(eq)  # n_rows = 8 < 30: Gram route
+    spectrum = decompose(eq)  # n_rows = 8 < 30: the SVD of M through QR
     assert spectrum.eigenvalues.numel() == 8 and spectrum.rank == 8
     lam_c = torch.linalg.eigvalsh(eq.C).flip(0)[:8]
     torch.testing.assert_close(spectrum.eigenvalues, lam_c)
@@ -284,8 +286,8 @@ def test_shared_decompositions_reuse_one_eigh_and_change_nothing(monkeypatch):
 
 
 def test_rank_rules_choose_the_same_rank_in_float32_and_float64():
-    """The rank rules see eigenvalues down to the eigensolver's accuracy, not the numerical-rank cut:
-    in float32 the cut n_cols * eps * lambda_1 (here 3.7e-4 lambda_1) would drop real tail eigenvalues."""
+    """The rank rules see eigenvalues down to the eigensolver's accuracy, sqrt(n_cols) eps lambda_1: in float32
+    the usual numerical-rank cut n_cols eps lambda_1 (here 1.2e-4 lambda_1) would drop real tail eigenvalues."""
     from specmerge.speed import synthetic_stack
 
     tau = synthetic_stack(4, 192, 1024, rank=8, noise=0.2)  # float32 with the solve cut: psqrt 99, float64 102
@@ -293,6 +295,74 @@ def test_rank_rules_choose_the_same_rank_in_float32_and_float64():
     for dtype in (torch.float32, torch.float64):
         spectrum = spectral.decompose(spectral.normal_equation(tau.to(dtype)))
         chosen[dtype] = {rule: spectral.choose_rank(rule, spectrum) for rule in ("psqrt", "gavish_donoho")}
-        if dtype == torch.float32:  # the case this guards: the solve's cut drops eigenvalues float64 keeps
-            assert int((spectrum.eigenvalues > 0).sum()) < int((spectrum.resolved > 0).sum())
+        if dtype == torch.float32:  # the case guarded: the old cut d_in eps lambda_1 drops eigenvalues float64 keeps
+            old_cut = spectrum.n_cols * torch.finfo(dtype).eps * float(spectrum.eigenvalues[0])
+            assert int((spectrum.eigenvalues > old_cut).sum()) < spectrum.rank
     assert chosen[torch.float32] == chosen[torch.float64]
+
+
+def test_unresolved_directions_are_inverted_only_with_a_bounded_gain():
+    """Issue 13, item 19: an eigenvalue at or below the floor is known only to lie in [0, floor]; the direction
+    is still inverted when the filter's gain h / lambda barely depends on where (SWUDI: at most t)."""
+    floor = 1e-6
+    resolved = torch.tensor([2.0, 1.0, 0.0, 0.0], dtype=torch.float64)
+    computed = torch.tensor([2.0, 1.0, 1e-9, 0.0], dtype=torch.float64)
+    spectrum = Spectrum(resolved, torch.eye(4, dtype=torch.float64), 8, 4, floor, computed)
+    head = torch.tensor([2.0, 1.0], dtype=torch.float64)
+
+    def gains(filt):
+        return inverse_gains(spectrum, filt)
+
+    exp = gains(Exponential(10.0))  # t floor = 1e-5: bounded, kept, at the computed eigenvalue (limit t at 0)
+    torch.testing.assert_close(exp[:2], -torch.expm1(-10 * head) / head)
+    torch.testing.assert_close(exp[2:], torch.tensor([-math.expm1(-1e-8) / 1e-9, 10.0], dtype=torch.float64))
+    assert gains(Exponential(1e7))[2:].tolist() == [0, 0]  # t floor = 10: the gain is not resolved there
+    assert gains(PseudoInverse()).tolist() == [0.5, 1.0, 0.0, 0.0]  # unbounded: Moore-Penrose
+    assert gains(TopK(3) * Exponential(10.0))[2:].tolist() == pytest.approx([10.0, 0.0], rel=1e-7)
+    assert gains(TopK(3) * PseudoInverse()).tolist() == [0.5, 1.0, 0.0, 0.0]
+    torch.testing.assert_close(gains(Tikhonov(1e-3)), 1 / (computed + 1e-3))  # alpha >= floor: bounded by 1 / alpha
+    assert gains(Tikhonov(1e-8))[2:].tolist() == [0, 0]  # alpha < floor: not resolved
+    landweber = gains(Landweber(0.1, 20))
+    assert landweber[3] == pytest.approx(2.0) and landweber[2] == pytest.approx(2.0, rel=1e-6)  # n eta
+
+
+def test_filter_gains_have_their_limits_at_zero():
+    zero = torch.zeros(3, dtype=torch.float64)
+    assert Exponential(7.0).inverse_gain(zero).tolist() == [7.0] * 3
+    assert Landweber(0.2, 30).inverse_gain(zero).tolist() == pytest.approx([6.0] * 3)
+    assert Tikhonov(0.5).inverse_gain(zero).tolist() == [2.0] * 3
+    assert PseudoInverse().inverse_gain(zero).isinf().all()
+    assert (TopK(2) * Exponential(3.0)).inverse_gain(zero).tolist() == [3.0, 3.0, 0.0]
+    assert (Exponential(3.0) * Tikhonov(0.5)).inverse_gain(zero).tolist() == [0.0] * 3
+    # and away from 0 they are h / lambda, the Landweber filter accurate for tiny eta lambda (the power form is not)
+    lam = torch.tensor([1e-12, 1e-3, 0.5], dtype=torch.float64)
+    for filt in (Exponential(3.0), Landweber(0.2, 30), Tikhonov(0.5), TopK(2) * Exponential(3.0)):
+        torch.testing.assert_close(filt.inverse_gain(lam), filt(lam) / lam, rtol=1e-12, atol=0)
+    assert Landweber(0.2, 30)(lam)[0] == pytest.approx(6e-12, rel=1e-9)
+
+
+@pytest.mark.parametrize(("n", "r", "d_out", "d_in"), [(4, 4, 64, 48), (3, 4, 20, 90), (8, 8, 128, 128)])
+def test_null_space_of_c_changes_nothing_in_float32(n, r, d_out, d_in):
+    """Dense LoRA-like experts (C of rank n r < d_in): SWUDI's top K reaching into C's null space gives the
+    null directions gain ~t, but their right-hand side (D - tau_init C) q is round-off: they are skipped,
+    and the result equals the one whose K stops at the rank, up to rounding."""
+    g = torch.Generator().manual_seed(3)
+    tau = torch.stack([torch.randn(d_out, r, generator=g) @ torch.randn(r, d_in, generator=g) for _ in range(n)])
+    swudi = get_method("swudi")
+    beyond = swudi(tau, rank_ratio=0.9)
+    assert beyond.diagnostics["kept_rank"] > n * r
+    at_rank = swudi(tau, rank_ratio=n * r / d_in).delta
+    assert float((beyond.delta - at_rank).norm() / at_rank.norm()) <= 4 * torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize(("n", "d_out", "d_in"), [(2, 24, 256), (2, 64, 1024), (4, 64, 1024)])
+def test_eigenvectors_stay_orthonormal_on_wide_layers(n, d_out, d_in):
+    """Issue 13, item 20: with N d_out < d_in the eigenvectors come from the QR of M^T and an SVD, orthonormal to
+    Householder's O(sqrt(m n)) eps; built as M^T u / sigma they were 1e-2 from orthonormal in float32."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(8, d_in, generator=g)  # a shared rank-8 row space plus 1 % noise: a few spikes over a bulk
+    tau = torch.randn(n, d_out, 8, generator=g) @ rows + 0.01 * torch.randn(n, d_out, d_in, generator=g)
+    Q = decompose(normal_equation(tau)).vectors.double()
+    assert Q.shape == (d_in, n * d_out)
+    error = float((Q.T @ Q - torch.eye(n * d_out, dtype=torch.float64)).abs().max())
+    assert error <= math.sqrt(n * d_out * d_in) * torch.finfo(torch.float32).eps

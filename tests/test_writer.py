@@ -201,7 +201,7 @@ def test_context_manager_closes_or_aborts(tmp_path):
 def test_atomic_directory_success_and_failure(tmp_path):
     target = tmp_path / "out"
     with atomic_directory(target) as work:
-        assert work.parent == tmp_path and work.name.startswith(".out.tmp-")
+        assert work.parent.parent == tmp_path and work.parent.name.startswith(".out.specmerge-tmp-")
         (work / "f.txt").write_text("done")
     assert (target / "f.txt").read_text() == "done"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
@@ -214,8 +214,8 @@ def test_atomic_directory_success_and_failure(tmp_path):
 
 def test_atomic_directory_refuses_or_replaces_an_existing_target(tmp_path):
     target = tmp_path / "out"
-    target.mkdir()
-    (target / "old.txt").write_text("old")
+    with atomic_directory(target) as work:  # --overwrite replaces only specmerge's own output
+        (work / "old.txt").write_text("old")
     with pytest.raises(OutputExistsError, match=r"out already exists; pass --overwrite .* or choose another path"):
         atomic_directory(target).__enter__()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
@@ -224,11 +224,11 @@ def test_atomic_directory_refuses_or_replaces_an_existing_target(tmp_path):
     with pytest.raises(RuntimeError), atomic_directory(target, overwrite=True) as work:
         (work / "new.txt").write_text("new")
         raise RuntimeError("failed merge")
-    assert [p.name for p in target.iterdir()] == ["old.txt"]  # the old output survives a failed overwrite
+    assert sorted(p.name for p in target.iterdir()) == [".specmerge", "old.txt"]  # it survives a failed overwrite
 
     with atomic_directory(target, overwrite=True) as work:
         (work / "new.txt").write_text("new")
-    assert [p.name for p in target.iterdir()] == ["new.txt"]
+    assert sorted(p.name for p in target.iterdir()) == [".specmerge", "new.txt"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
     with pytest.raises(OutputError, match=r"parent folder .*missing does not exist"):

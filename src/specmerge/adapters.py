@@ -12,6 +12,13 @@ that matches the end of the module name (``(.*\\.)?key$``) wins. With ``fan_in_f
 Conv1D, whose weight is stored as d_in x d_out) the delta is transposed into the weight's layout.
 DoRA, LoRA biases, ``modules_to_save`` and other PEFT types are refused with a clear error: their
 updates are not a low-rank delta of the base weights.
+
+The config is checked against the factors before anything is merged: ``r`` (or the ``rank_pattern``
+entry of a module) must be the rank of its stored factors, ``lora_alpha`` and ``alpha_pattern`` values
+positive finite numbers, ``use_rslora`` and ``fan_in_fan_out`` booleans, pattern keys regular expressions,
+and every stored module one that ``target_modules`` selects. A config that leaves out ``r``,
+``lora_alpha``, ``use_rslora`` or ``fan_in_fan_out`` gets PEFT's own defaults (:data:`PEFT_DEFAULTS`,
+those of ``peft.LoraConfig``), and an :class:`AdapterConfigWarning` says which were used.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import json
 import math
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,16 +36,107 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from specmerge.errors import SpecmergeWarning
 from specmerge.lora import AdapterFactors, LoraDelta
-from specmerge.sources import SourceError, TensorInfo, open_source
+from specmerge.sources import SourceError, TensorInfo, folder_file, open_source
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
+# peft.LoraConfig's defaults (peft 0.21, tuners/lora/config.py) for the keys that set the delta.
+PEFT_DEFAULTS = {"r": 8, "lora_alpha": 8, "use_rslora": False, "fan_in_fan_out": False}
 
 
 class AdapterError(SourceError):
     """A PEFT adapter that cannot be read or does not fit the base model."""
+
+
+class AdapterConfigWarning(SpecmergeWarning):
+    """An ``adapter_config.json`` leaves out keys; PEFT's defaults are used for them."""
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The keys of a PEFT LoRA config that set the deltas, checked (PEFT's defaults for missing ones)."""
+
+    r: int
+    lora_alpha: float
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    use_rslora: bool
+    fan_in_fan_out: bool
+    target_modules: list[str] | str | None
+
+
+def lora_settings(config: Mapping[str, Any], where: str) -> LoraSettings:
+    """Check the LoRA keys of a PEFT config (``where`` names it in messages); warn once for defaults used."""
+    missing = [key for key in PEFT_DEFAULTS if key not in config]
+    if missing:
+        used = ", ".join(f"{key} = {json.dumps(PEFT_DEFAULTS[key])}" for key in missing)
+        plural = "s" if len(missing) > 1 else ""
+        message = f"{where} has no {', '.join(missing)}: using PEFT's default{plural} {used}"
+        warnings.warn(message, AdapterConfigWarning, stacklevel=2)
+    values = {**PEFT_DEFAULTS, **{k: config[k] for k in PEFT_DEFAULTS if k in config}}
+    r = _rank(values["r"], f"{where}: 'r'")
+    alpha = _alpha(values["lora_alpha"], f"{where}: 'lora_alpha'")
+    flags = {}
+    for key in ("use_rslora", "fan_in_fan_out"):
+        if not isinstance(values[key], bool):
+            raise AdapterError(f"{where}: '{key}' must be true or false, got {values[key]!r}")
+        flags[key] = values[key]
+    patterns = {}
+    for key, check in (("rank_pattern", _rank), ("alpha_pattern", _alpha)):
+        given = {} if config.get(key) is None else config[key]
+        if not isinstance(given, dict):
+            raise AdapterError(f"{where}: '{key}' must map module-name patterns to values, got {given!r}")
+        for pattern, value in given.items():
+            try:
+                re.compile(rf"(.*\.)?({pattern})$")
+            except re.error as err:
+                raise AdapterError(f"{where}: {key} key {pattern!r} is not a regular expression ({err})") from None
+            check(value, f"{where}: {key}[{pattern!r}]")
+        patterns[key] = dict(given)
+    targets = config.get("target_modules")
+    if not (targets is None or isinstance(targets, str) or _is_name_list(targets)):
+        raise AdapterError(f"{where}: 'target_modules' must be a list of module names or a pattern, got {targets!r}")
+    if isinstance(targets, str) and targets != "all-linear":
+        try:
+            re.compile(targets)
+        except re.error as err:
+            raise AdapterError(f"{where}: target_modules {targets!r} is not a regular expression ({err})") from None
+    return LoraSettings(r, alpha, patterns["rank_pattern"], patterns["alpha_pattern"], **flags, target_modules=targets)
+
+
+def _rank(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise AdapterError(f"{what} must be a whole number >= 1 (the rank of the factors), got {value!r}")
+    return value
+
+
+def _alpha(value: Any, what: str) -> float:
+    number = math.nan
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond float range
+            number = math.inf
+    if not (math.isfinite(number) and number > 0):
+        raise AdapterError(f"{what} must be a positive finite number (the LoRA scale is alpha / r), got {value!r}")
+    return number
+
+
+def _is_name_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _targeted(targets: list[str] | str | None, module: str) -> bool:
+    """Whether PEFT's ``target_modules`` selects ``module`` (an exact name or a name's end; a str is a full-match
+    regex; ``all-linear`` and None are taken to select every stored module)."""
+    if targets is None or targets == "all-linear":
+        return True
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module) is not None
+    return any(module == t or module.endswith(f".{t}") for t in targets)
 
 
 @dataclass(frozen=True)
@@ -66,18 +165,28 @@ class LoraAdapter:
     def __init__(self, folder: Path) -> None:
         self.path = folder
         config_file = folder / ADAPTER_CONFIG
-        if not config_file.is_file():
+        if not os.path.lexists(config_file):
             raise AdapterError(
                 f"{folder}: no {ADAPTER_CONFIG}; point at a PEFT adapter folder (save_pretrained output)"
             )
+        self._config_file = folder_file(config_file, folder)  # a file of the folder, not a link elsewhere
         try:
-            self.config = json.loads(config_file.read_text())
-        except json.JSONDecodeError as err:
+            self.config = json.loads(config_file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise AdapterError(f"{config_file}: not valid JSON ({err})") from None
+        except RecursionError:
+            raise AdapterError(f"{config_file}: not valid JSON (nested too deeply)") from None
+        if not isinstance(self.config, dict):
+            raise AdapterError(
+                f"{config_file}: a PEFT adapter config is a JSON object (peft_type, r, lora_alpha, ...), "
+                f"got a {type(self.config).__name__}"
+            )
         self._check_supported(config_file)
-        weights = next((folder / f for f in ADAPTER_FILES if (folder / f).is_file()), None)
+        self.settings = lora_settings(self.config, str(config_file))
+        weights = next((folder / f for f in ADAPTER_FILES if os.path.lexists(folder / f)), None)
         if weights is None:
             raise AdapterError(f"{folder}: no adapter weights ({' or '.join(ADAPTER_FILES)})")
+        folder_file(weights, folder)
         self._source = open_source(weights)
         self._modules = self._read_modules()
 
@@ -109,8 +218,14 @@ class LoraAdapter:
             match = _KEY.match(name)
             if match is None:
                 raise AdapterError(f"{self._source.path}: unexpected tensor '{name}' in a LoRA adapter")
+            if not info.dtype.is_floating_point:
+                raise AdapterError(f"{self._source.path}: LoRA factor '{name}' is {info.dtype}, not floating point")
             factors.setdefault(match["module"], {})[match["which"]] = info
-        fan_in_fan_out = bool(self.config.get("fan_in_fan_out"))
+        if not factors:
+            raise AdapterError(f"{self._source.path}: holds no LoRA factors (lora_A / lora_B weights)")
+        settings = self.settings
+        fan_in_fan_out = settings.fan_in_fan_out
+        config_file = self.path / ADAPTER_CONFIG
         modules = {}
         for module, pair in factors.items():
             if set(pair) != {"A", "B"}:
@@ -122,8 +237,24 @@ class LoraAdapter:
                     "which are not the factors of a linear layer"
                 )
             rank = A.shape[0]
-            alpha = float(_pattern_value(self.config.get("alpha_pattern") or {}, module, self.config["lora_alpha"]))
-            scale = alpha / (math.sqrt(rank) if self.config.get("use_rslora") else rank)
+            expected = _pattern_value(settings.rank_pattern, module, None)
+            source = "its rank_pattern entry" if expected is not None else "'r'"
+            if expected is None:
+                expected = settings.r
+                source += "" if "r" in self.config else " (missing: PEFT's default)"
+            if rank != expected:
+                raise AdapterError(
+                    f"{config_file}: module '{module}' has rank-{rank} factors (lora_A {list(A.shape)}, lora_B "
+                    f"{list(B.shape)}) but {source} says rank {expected}: the config does not describe these "
+                    "weights; fix r / rank_pattern in the config"
+                )
+            if not _targeted(settings.target_modules, module):
+                raise AdapterError(
+                    f"{config_file}: the weights hold module '{module}', which target_modules "
+                    f"{settings.target_modules!r} does not select: the config does not describe these weights"
+                )
+            alpha = float(_pattern_value(settings.alpha_pattern, module, settings.lora_alpha))
+            scale = alpha / (math.sqrt(rank) if settings.use_rslora else rank)
             shape = (A.shape[1], B.shape[0]) if fan_in_fan_out else (B.shape[0], A.shape[1])
             modules[f"{module}.weight"] = LoraModule(
                 f"{module}.weight", module, rank, alpha, scale, shape, fan_in_fan_out
@@ -171,6 +302,10 @@ class LoraAdapter:
                     f"{list(module.shape)}; the adapter was trained on another base model"
                 )
 
+    def files(self) -> list[Path]:
+        """The real paths (links resolved) of the files the adapter reads: its config and its weights."""
+        return [self._config_file, *self._source.files()]
+
     def close(self) -> None:
         self._source.close()
 
@@ -209,6 +344,10 @@ class AdapterExpert:
             return None
         delta = self.adapter.load(name)
         return delta if rows is None else delta.rows(*rows)
+
+    def files(self) -> list[Path]:
+        """The real paths of the files the adapter reads (see :meth:`LoraAdapter.files`)."""
+        return self.adapter.files()
 
     def close(self) -> None:
         self.adapter.close()
@@ -274,8 +413,8 @@ def write_adapter(folder: Path, factors: Mapping[str, AdapterFactors], config: M
 
 
 def is_adapter(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a PEFT adapter folder."""
-    return (Path(path) / ADAPTER_CONFIG).is_file()
+    """Whether ``path`` is a PEFT adapter folder (holds an ``adapter_config.json``, which is checked on opening)."""
+    return os.path.lexists(Path(path) / ADAPTER_CONFIG)
 
 
 def open_adapter(path: str | os.PathLike) -> LoraAdapter:

@@ -7,10 +7,11 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
@@ -21,11 +22,21 @@ import torch
 from specmerge import __version__
 from specmerge.adapters import AdapterExpert, adapter_config, is_adapter, open_adapter, write_adapter
 from specmerge.executor import resolve_device, run_adapter_plan, run_plan
+from specmerge.layout import transposed_weights
 from specmerge.plan import make_plan, summarize
-from specmerge.recipe import DTYPES, Recipe
+from specmerge.recipe import DTYPES, Recipe, RecipeError
 from specmerge.registry import get_method, methods
 from specmerge.sources import TensorInfo, TensorSource, open_source
-from specmerge.writer import ShardWriter, atomic_directory, copy_model_files
+from specmerge.threads import check_threads, merge_threads
+from specmerge.writer import (
+    OutputError,
+    ShardWriter,
+    atomic_directory,
+    check_output,
+    copy_model_files,
+    model_files,
+    write_output_config,
+)
 
 
 def merge(
@@ -38,43 +49,94 @@ def merge(
     overwrite: bool = False,
     progress: bool = True,
     fsync: bool = True,
+    threads: int | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Merge ``experts`` (fine-tuned from ``base``) into a new model folder ``output``; return the report.
 
     ``options`` are the other recipe fields (overrides, dtype, device, shard_size, non_matrix, ...),
     see :class:`specmerge.recipe.Recipe`. Everything is validated before any tensor is read. With
-    ``fsync`` (default) the shards are flushed to disk before the folder is renamed into place.
+    ``fsync`` (default) the shards are flushed to disk before the folder is renamed into place. ``threads``
+    is torch's thread count during the merge (default: chosen from the CPUs free, see :mod:`specmerge.threads`).
     """
     recipe = Recipe.from_dict(
         {  # absolute paths: the recipe written next to the output must work from anywhere
-            "base": os.path.abspath(base),
-            "experts": [os.path.abspath(e) for e in experts],
+            "base": _absolute_path(base, "base"),
+            "experts": [_absolute_path(e, f"experts[{i}]") for i, e in enumerate(_path_list(experts))],
             "method": method,
-            "params": dict(params or {}),
+            "params": _params_mapping(params),
             **options,
         }
     )
-    return run_recipe(recipe, output, overwrite=overwrite, progress=progress, fsync=fsync)
+    return run_recipe(recipe, output, overwrite=overwrite, progress=progress, fsync=fsync, threads=threads)
+
+
+def _path_list(experts: Any) -> list[Any]:
+    """``experts`` as a list, refusing a single path (a string would be taken as a list of characters)."""
+    if isinstance(experts, str | bytes | os.PathLike):
+        raise RecipeError(
+            f"experts must be a list of paths, got the single path {os.fspath(experts)!r}: pass "
+            f"[{os.fspath(experts)!r}] for one expert",
+            ("experts",),
+        )
+    if not isinstance(experts, Iterable) or isinstance(experts, Mapping):
+        raise RecipeError(f"experts must be a list of paths, got {type(experts).__name__}", ("experts",))
+    return list(experts)
+
+
+def _absolute_path(path: Any, what: str) -> str:
+    if not isinstance(path, str | os.PathLike) or not isinstance(os.fspath(path), str):
+        raise RecipeError(f"{what} must be a path (str or os.PathLike), got {type(path).__name__} {path!r}", (what,))
+    if not os.fspath(path) or "\0" in os.fspath(path):
+        raise RecipeError(f"{what} is not a valid path: {os.fspath(path)!r}", (what,))
+    return os.path.abspath(path)
+
+
+def _params_mapping(params: Any) -> dict[str, Any]:
+    if params is None:
+        return {}
+    if not isinstance(params, Mapping):
+        raise RecipeError(
+            f"params must be a mapping of parameter names to values, such as {{'scale': 0.5}}; "
+            f"got {type(params).__name__} {params!r}",
+            ("params",),
+        )
+    return dict(params)
 
 
 def run_recipe(
-    recipe: Recipe, output: str | os.PathLike, *, overwrite: bool = False, progress: bool = True, fsync: bool = True
+    recipe: Recipe,
+    output: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    fsync: bool = True,
+    threads: int | None = None,
 ) -> dict:
     """Run a validated recipe and write the merged model (or adapter) folder atomically; return the report."""
+    check_threads(threads)
     output = Path(output)
     _refuse_output_inside_inputs(output, [recipe.base, *recipe.experts])
+    check_output(output, overwrite)  # before any work: parent exists, an existing folder may be replaced
     device = resolve_device(recipe.device)
     compute_dtype = getattr(torch, recipe.compute_dtype)
     started = time.perf_counter()
     method = get_method(recipe.method)
     with ExitStack() as stack:
+        threads_used = stack.enter_context(merge_threads(threads))  # torch's count restored on leaving
         base = stack.enter_context(open_source(recipe.base))
         experts = [stack.enter_context(open_expert(path, base.infos())) for path in recipe.experts]
-        plan = make_plan(recipe, base.infos(), [e.infos() for e in experts], list(recipe.experts))
+        _refuse_duplicate_inputs([recipe.base, *recipe.experts], [base, *experts])
+        _refuse_output_inside_inputs(output, [recipe.base, *recipe.experts], [base, *experts])
+        if recipe.output_format == "model":
+            model_files(recipe.base)  # the files copied at the end, checked before any work
+        transposed = stored_in_out(recipe.base, base.infos(), experts)
+        plan = make_plan(recipe, base.infos(), [e.infos() for e in experts], list(recipe.experts), transposed)
         if recipe.output_format == "lora":
             _check_lora_output(recipe, plan, experts)
-        with atomic_directory(output, overwrite=overwrite) as folder:
+        size = sum(math.prod(p.shape) * p.out_dtype.itemsize for p in plan)  # a full disk's message says it
+        size = size if recipe.output_format == "model" else None
+        with atomic_directory(output, overwrite=overwrite, expected_bytes=size) as folder:
             if recipe.output_format == "lora":
                 reports, extra = _write_adapter(recipe, plan, experts, folder, device, compute_dtype, progress)
             else:
@@ -88,6 +150,8 @@ def run_recipe(
                 "params": recipe.params,
                 "output_format": recipe.output_format,
                 "device": str(device),
+                "threads": threads_used.threads,
+                "threads_from": threads_used.source,
                 "torch": torch.__version__,
                 "host": platform.node(),
                 "seconds": round(time.perf_counter() - started, 3),
@@ -100,6 +164,17 @@ def run_recipe(
             (folder / "report.json").write_text(json.dumps(report, indent=1, default=str))
             (folder / "README.md").write_text(model_card(recipe, method.citation))
     return report
+
+
+def stored_in_out(base: str | os.PathLike, base_infos: dict[str, TensorInfo], experts: Sequence[Any]) -> frozenset[str]:
+    """The base weights stored (in, out), which matrix methods merge transposed: the Conv1D weights that the
+    base's config.json implies (:mod:`specmerge.layout`), and the weights that adapters with ``fan_in_fan_out``
+    change (PEFT sets it exactly for Conv1D modules; it covers a base given as a single file)."""
+    names = set(transposed_weights(base, base_infos))
+    for expert in experts:
+        if isinstance(expert, AdapterExpert) and expert.adapter.config.get("fan_in_fan_out"):
+            names.update(expert.adapter.modules())
+    return frozenset(names)
 
 
 def open_expert(path: str | os.PathLike, base_infos: dict[str, TensorInfo]) -> TensorSource | AdapterExpert:
@@ -134,6 +209,7 @@ def _write_model(recipe, plan, base, experts, folder, device, compute_dtype, pro
             progress=progress,
         )
     copy_model_files(Path(recipe.base), folder)
+    write_output_config(folder, [TensorInfo(p.name, p.shape, p.out_dtype) for p in plan])
     return reports, {}
 
 
@@ -206,9 +282,58 @@ def model_card(recipe: Recipe, citation: str) -> str:
     )
 
 
-def _refuse_output_inside_inputs(output: Path, inputs: Sequence[str]) -> None:
-    target = output.resolve()
+def _refuse_output_inside_inputs(output: Path, inputs: Sequence[str], sources: Sequence[Any] = ()) -> None:
+    """Refuse an output that is, holds or lies inside an input, so that replacing it can never delete an input.
+
+    Compares the real paths (links resolved) of the output and of the typed ``inputs`` and, given the opened
+    ``sources`` (one per input, in order), of every file they read: a file reached through a link counts
+    where it really lies.
+    """
+    target = Path(os.path.realpath(output))  # never raises, even for a symbolic link loop
     for path in inputs:
-        source = Path(path).resolve()
+        source = Path(os.path.realpath(path))
         if target == source or source in target.parents or target in source.parents:
-            raise ValueError(f"output '{output}' overlaps the input '{path}': choose a separate output folder")
+            raise OutputError(f"output '{output}' overlaps the input '{path}': choose a separate output folder")
+    for path, source in zip(inputs, sources, strict=False):
+        for file in source.files():
+            if file == target or target in file.parents:
+                raise OutputError(
+                    f"output '{output}' holds {file}, which the input '{path}' reads (through a link): "
+                    "choose a separate output folder"
+                )
+
+
+def _refuse_duplicate_inputs(inputs: Sequence[str], sources: Sequence[Any]) -> None:
+    """Refuse an expert that reads the same files as the base or as another expert.
+
+    ``inputs`` are the base and then the experts, ``sources`` the opened ones in the same order. Files are
+    compared as the files really read (device and inode), so a link, a hard link, or a folder given once as
+    a folder and once as its own weights file are all found.
+    """
+    seen: dict[frozenset, int] = {}
+    for i, source in enumerate(sources):
+        files = source.files()
+        key = frozenset(_file_identity(f) for f in files)
+        first = seen.setdefault(key, i)
+        if first == i:
+            continue
+        shown = f"{files[-1]}" + (f" and {len(files) - 1} more" if len(files) > 1 else "")
+        if first == 0:
+            raise RecipeError(
+                f"expert '{inputs[i]}' is the base model '{inputs[0]}' (both read {shown}): an expert is a "
+                "fine-tuned copy of the base; remove it from the experts",
+                ("experts", i - 1),
+            )
+        raise RecipeError(
+            f"experts '{inputs[first]}' and '{inputs[i]}' are the same checkpoint (both read {shown}): "
+            "list each expert once",
+            ("experts", i - 1),
+        )
+
+
+def _file_identity(path: Path) -> tuple[int, int] | str:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return str(path)
+    return info.st_dev, info.st_ino

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import signal
 import sys
 import textwrap
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from specmerge.registry import Method, get_method, methods
 
@@ -19,6 +26,29 @@ def describe(method: Method, width: int = 100) -> str:
         lines.append(f"    {p.name}: {p.type_name} = {p.default!r}")
         lines += textwrap.wrap(p.help, width, initial_indent="        ", subsequent_indent="        ")
     return "\n".join(lines)
+
+
+def _plain_warnings(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Run ``command`` with specmerge's notices (:class:`SpecmergeWarning`) printed as one line each,
+    ``specmerge: warning: ...``, on stderr; other warnings as Python shows them."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        from specmerge.errors import SpecmergeWarning
+
+        with warnings.catch_warnings():
+            show = warnings.showwarning
+
+            def plain(message, category, filename, lineno, file=None, line=None) -> None:
+                if issubclass(category, SpecmergeWarning):
+                    print(f"specmerge: warning: {message}", file=sys.stderr)
+                else:
+                    show(message, category, filename, lineno, file, line)
+
+            warnings.showwarning = plain
+            return command(args)
+
+    return run
 
 
 def _methods_command(args: argparse.Namespace) -> int:
@@ -44,32 +74,50 @@ def _bench_command(args: argparse.Namespace) -> int:
     return accuracy_main(args.rest)
 
 
-def _parse_params(pairs: list[str]) -> dict:
-    """``k=v`` strings to a dict; values read as YAML scalars (0.5, true, inf, psqrt), then validated by the method."""
+def _recipe_value(flag: str, text: str) -> Any:
+    """A recipe value typed on the command line, read as the same text in a YAML recipe is (``0.5``, ``true``,
+    ``psqrt``, ``5GB``; ``''`` stays the empty string), so that the command line and a recipe accept and
+    refuse exactly the same values: the recipe's validation decides."""
     import yaml
+
+    from specmerge.recipe import RecipeError
+
+    if not text.strip():
+        return text
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or "not a YAML value"
+        raise RecipeError(f"{flag} {text!r}: not a valid value ({problem}); quote it as in a recipe") from None
+
+
+def _parse_params(pairs: list[str]) -> dict:
+    """``k=v`` strings to a dict; values read as in a YAML recipe (0.5, true, .inf, psqrt), validated by the method."""
+    from specmerge.recipe import RecipeError
 
     params = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--param expects key=value, got '{pair}'")
-        params[key.strip()] = yaml.safe_load(value)
+        if not sep or not key.strip():
+            raise RecipeError(f"--param expects key=value, got '{pair}'")
+        params[key.strip()] = _recipe_value(f"--param {key.strip()}=", value)
     return params
 
 
+@_plain_warnings
 def _merge_command(args: argparse.Namespace) -> int:
     from specmerge.api import merge
 
-    options = {
-        key: value
-        for key, value in (
-            ("dtype", args.dtype),
-            ("device", args.device),
-            ("shard_size", args.shard_size),
-            ("output_format", args.output_format),
-            ("max_rank", args.max_rank),
+    options = {  # every option given is the recipe's to validate, empty or zero included
+        key: _recipe_value(flag, value)
+        for key, flag, value in (
+            ("dtype", "--dtype", args.dtype),
+            ("device", "--device", args.device),
+            ("shard_size", "--shard-size", args.shard_size),
+            ("output_format", "--output-format", args.output_format),
+            ("max_rank", "--max-rank", args.max_rank),
         )
-        if value
+        if value is not None
     }
     report = merge(
         args.base,
@@ -80,12 +128,14 @@ def _merge_command(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=not args.quiet,
         fsync=not args.no_fsync,
+        threads=_threads(args),
         **options,
     )
     _print_summary(report, args.output)
     return 0
 
 
+@_plain_warnings
 def _run_command(args: argparse.Namespace) -> int:
     from specmerge.api import run_recipe
     from specmerge.recipe import load_recipe
@@ -96,11 +146,13 @@ def _run_command(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=not args.quiet,
         fsync=not args.no_fsync,
+        threads=_threads(args),
     )
     _print_summary(report, args.output)
     return 0
 
 
+@_plain_warnings
 def _inspect_command(args: argparse.Namespace) -> int:
     from specmerge.inspect_report import DEFAULT_METHODS, inspect_model
 
@@ -123,7 +175,13 @@ def _inspect_command(args: argparse.Namespace) -> int:
         if value is not None
     }
     summary = inspect_model(
-        args.base, args.experts, args.output, overwrite=args.overwrite, progress=not args.quiet, **options
+        args.base,
+        args.experts,
+        args.output,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+        threads=_threads(args),
+        **options,
     )
     print(f"inspected {summary['layers_inspected']} layers in {summary['seconds']:.1f} s -> {args.output}/report.md")
     return 0
@@ -141,7 +199,9 @@ def _print_summary(report: dict, output: str) -> None:
 
 def _add_output_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", required=True, help="new model folder (must not exist unless --overwrite)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an existing folder that specmerge wrote (or an empty one)"
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument(
         "--no-fsync",
@@ -149,6 +209,23 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
         help="do not flush the output to disk before renaming it into place (faster on slow disks, as other "
         "tools do; a power cut or OS crash soon after may then leave an incomplete model folder)",
     )
+    _add_threads_argument(p)
+
+
+def _add_threads_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--threads",
+        metavar="N",
+        help="compute with N threads (default: the CPUs this process may use, less those other processes keep "
+        "busy, less one for reading and writing; OMP_NUM_THREADS if set)",
+    )
+
+
+def _threads(args: argparse.Namespace) -> int | None:
+    """``--threads`` checked (a whole number >= 1: one line otherwise) or None for the default."""
+    from specmerge.threads import parse_threads
+
+    return parse_threads(args.threads)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,10 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", help="largest output shard, e.g. 5GB or 500MB")
     p.add_argument(
         "--output-format",
-        choices=["model", "lora"],
         help="model (default): a merged model folder; lora: a PEFT adapter (every expert a LoRA adapter)",
     )
-    p.add_argument("--max-rank", type=int, help="lora output: truncate each module to this rank (SVD; energy reported)")
+    p.add_argument("--max-rank", help="lora output: truncate each module to this rank (SVD; energy reported)")
     _add_output_arguments(p)
     p.set_defaults(run=_merge_command)
     p = sub.add_parser("run", help="run a YAML recipe")
@@ -183,7 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("base", help="base model: Hugging Face folder or .safetensors file")
     p.add_argument("experts", nargs="+", help="experts of the same base: model folders/files or PEFT LoRA adapters")
     p.add_argument("-o", "--out", "--output", dest="output", required=True, help="new report folder")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing report folder")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an existing folder that specmerge wrote (or an empty one)"
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--layers", metavar="REGEX", help="inspect only the 2-D layers whose name matches")
     p.add_argument(
@@ -201,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true", help="tables and report.md only")
     p.add_argument("--compute-dtype", choices=["float32", "float64"], help="dense layers (default float32)")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto")
+    _add_threads_argument(p)
     p.set_defaults(run=_inspect_command)
     p = sub.add_parser("bench", help="benchmarks: `specmerge bench accuracy --cache DIR`, `specmerge bench speed`")
     p.add_argument("which", choices=["accuracy", "speed"])
@@ -213,10 +292,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Signalled(BaseException):
+    """Raised in the main thread when SIGTERM or SIGHUP arrives, so that the command cleans up as for Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGHUP raise :class:`_Signalled` in the main thread (once; repeats are
+    ignored while the work in progress is removed). Signals ignored by the caller (``nohup``) stay ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        for other in previous:
+            signal.signal(other, signal.SIG_IGN)
+        raise _Signalled(signum)
+
+    previous: dict[int, object] = {}
+    for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if signum is not None and signal.getsignal(signum) is not signal.SIG_IGN:
+            previous[signum] = signal.signal(signum, stop)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        with _stop_on_signals():
+            return args.run(args)
+    except KeyboardInterrupt:
+        print("specmerge: interrupted (Ctrl-C); no unfinished output is left behind", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except _Signalled as stop:
+        name = signal.Signals(stop.signum).name
+        print(f"specmerge: stopped by {name}; no unfinished output is left behind", file=sys.stderr)
+        return 128 + stop.signum
     except (ValueError, TypeError, OSError) as err:
         print(f"specmerge: error: {err}", file=sys.stderr)
         return 2

@@ -3,7 +3,9 @@
 Subclasses say which layer found the problem (``SourceError``: a checkpoint file; ``RecipeError``: the recipe
 or the command line; ``PlanError``: the checkpoints do not fit together; ``OutputError``: the output folder;
 ``NonFiniteError``: NaN or Inf in an input). The command line prints the message after ``specmerge: error:``
-and exits 2; anything that is not a ``SpecmergeError`` is a bug in specmerge.
+and exits 2; anything that is not a ``SpecmergeError`` is a bug in specmerge. Notices that do not stop the
+work (a PEFT default used for a key a config leaves out) are ``SpecmergeWarning``s; the command line prints
+them after ``specmerge: warning:``.
 """
 
 from __future__ import annotations
@@ -11,3 +13,18 @@ from __future__ import annotations
 
 class SpecmergeError(ValueError):
     """Bad input or an unusable location; the message names the file, tensor or key and what to do."""
+
+    def __init__(self, message: object = "", *args: object) -> None:
+        # One line whatever the user typed: a name or path with a line break is shown escaped.
+        text = str(message)
+        if "\n" in text or "\r" in text:
+            text = text.replace("\r", "\\r").replace("\n", "\\n")
+        super().__init__(text, *args)
+
+
+class NonFiniteError(SpecmergeError):
+    """An input tensor holds NaN or Inf; the message names the tensor, the file and how many entries."""
+
+
+class SpecmergeWarning(UserWarning):
+    """A notice about the input that does not stop the work (a default used for a missing key, ...)."""

@@ -36,16 +36,17 @@ from typing import Any, Literal
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tqdm.auto import tqdm
 
 from specmerge import __version__, diagnostics
-from specmerge.api import _refuse_output_inside_inputs, open_expert
-from specmerge.executor import _prefetched, resolve_device
+from specmerge.api import _refuse_duplicate_inputs, _refuse_output_inside_inputs, open_expert, stored_in_out
+from specmerge.executor import _prefetched, check_finite, resolve_device
+from specmerge.layout import CONV1D_LAYOUT, transpose_item
 from specmerge.lora import LoraDelta, factor_cores
 from specmerge.plan import TensorPlan, make_plan
-from specmerge.recipe import Recipe
-from specmerge.registry import get_method
+from specmerge.recipe import DEVICE_PATTERN, Recipe, RecipeError
+from specmerge.registry import get_method, unknown_name_message
 from specmerge.sources import TensorSource, open_source
 from specmerge.spectral import (
     TauInit,
@@ -56,6 +57,7 @@ from specmerge.spectral import (
     normal_equation,
     shared_decompositions,
 )
+from specmerge.threads import check_threads, merge_threads
 from specmerge.writer import atomic_directory
 
 # The methods whose merged-delta norm is reported by default (the norm-shortcut diagnostic): the
@@ -98,7 +100,11 @@ def parse_method_spec(spec: str) -> MethodSpec:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"method '{spec}': expected NAME or NAME:key=value,key=value, got '{pair}'")
-        params[key.strip()] = yaml.safe_load(value)
+        try:
+            params[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or "not a YAML value"
+            raise RecipeError(f"method '{spec}': value of '{key.strip()}' is not valid YAML ({problem})") from None
     method.validate(params)
     return MethodSpec(spec.strip(), method.name, params)
 
@@ -112,15 +118,16 @@ class InspectOptions(BaseModel):
 
     ``layers`` is a regular expression searched in tensor names; ``wudi_layer`` names the layer of the
     optimizer-as-filter and filter-shape diagnostics (default: the middle one of the most common shape).
-    ``gd_lr`` None is 0.25 / lambda_max of that layer (Landweber eta = 0.5 / lambda_max).
+    ``gd_lr`` None is 0.25 / lambda_max of that layer (Landweber eta = 0.5 / lambda_max). Numbers are
+    finite (``t`` may be +inf, as SWUDI's); every mistake raises :class:`RecipeError` with one line.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     layers: str | None = None
     methods: tuple[str, ...] = DEFAULT_METHODS
     rank_ratio: float = Field(default_factory=lambda: _swudi_default("rank_ratio"), ge=0, le=1)
-    t: float = Field(default_factory=lambda: _swudi_default("t"), ge=0)
+    t: float = Field(default_factory=lambda: _swudi_default("t"), ge=0, allow_inf_nan=True)  # inf: no filter
     tikhonov_alpha: float = Field(default_factory=lambda: get_method("spectral_filter").param("alpha").default, gt=0)
     tau_init: TauInit = "sum"
     wudi: bool = True
@@ -133,6 +140,19 @@ class InspectOptions(BaseModel):
     compute_dtype: Literal["float32", "float64"] = "float32"
     device: str = "cpu"
     plots: bool = True
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            raise _option_error(err) from None
+
+    @field_validator("device")
+    @classmethod
+    def _valid_device(cls, value: str) -> str:
+        if not DEVICE_PATTERN.match(value):
+            raise ValueError(f"device '{value}' is not one of cpu, cuda, cuda:N (N = 0, 1, ...), auto")
+        return value
 
     @field_validator("layers")
     @classmethod
@@ -151,6 +171,28 @@ class InspectOptions(BaseModel):
         if len(set(labels)) != len(labels):
             raise ValueError(f"a method is listed twice in {list(value)}")
         return value
+
+
+# Command-line flags of the options that have one (others are Python-only).
+_FLAGS = {"layers": "--layers", "methods": "--method", "rank_ratio": "--rank-ratio", "t": "--t", "wudi": "--no-wudi"}
+_FLAGS |= {"wudi_layer": "--wudi-layer", "wudi_steps": "--wudi-steps", "adam_lr": "--adam-lr", "gd_lr": "--gd-lr"}
+_FLAGS |= {"compute_dtype": "--compute-dtype", "device": "--device", "plots": "--no-plots"}
+
+
+def _option_error(err: ValidationError) -> RecipeError:
+    """One line for the first problem with the inspect options (and a count of the others)."""
+    errors = err.errors()
+    first = errors[0]
+    key = ".".join(str(part) for part in first["loc"][:1])
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    if first["type"] == "extra_forbidden":
+        return RecipeError(unknown_name_message("inspect option", key, list(InspectOptions.model_fields)) + more)
+    name = f"inspect option '{key}'" + (f" ({_FLAGS[key]})" if key in _FLAGS else "")
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, Exception):
+        return RecipeError(f"{name}: {cause}{more}")
+    message = first["msg"][:1].lower() + first["msg"][1:]
+    return RecipeError(f"{name}: {message} (got {first.get('input')!r}){more}")
 
 
 @dataclass
@@ -191,12 +233,16 @@ def inspect_model(
     *,
     overwrite: bool = False,
     progress: bool = True,
+    threads: int | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Write the spectral report of ``experts`` (fine-tuned from ``base``) to the new folder ``output``.
 
-    ``options`` are the fields of :class:`InspectOptions`. Returns the content of ``summary.json``.
+    ``options`` are the fields of :class:`InspectOptions`. ``threads`` is torch's thread count while it
+    runs (default: chosen from the CPUs free, see :mod:`specmerge.threads`). Returns the content of
+    ``summary.json``.
     """
+    check_threads(threads)
     opts = InspectOptions(**options)
     specs = [parse_method_spec(s) for s in opts.methods]
     if opts.plots:
@@ -208,8 +254,11 @@ def inspect_model(
     dtype = getattr(torch, opts.compute_dtype)
     started = time.perf_counter()
     with ExitStack() as stack:
+        threads_used = stack.enter_context(merge_threads(threads))  # torch's count restored on leaving
         base_source = stack.enter_context(open_source(recipe.base))
         expert_sources = [stack.enter_context(open_expert(p, base_source.infos())) for p in recipe.experts]
+        _refuse_duplicate_inputs([recipe.base, *recipe.experts], [base_source, *expert_sources])
+        _refuse_output_inside_inputs(output, [recipe.base, *recipe.experts], [base_source, *expert_sources])
         layers, skipped = select_layers(recipe, base_source, expert_sources, opts.layers)
         chosen = choose_wudi_layer(layers, opts.wudi_layer)  # checks a given name even with wudi off
         wudi_layer = chosen if opts.wudi else None
@@ -221,6 +270,7 @@ def inspect_model(
             with bar:
                 for entry, _, base_tensor, items in _prefetched(work, base_source, expert_sources):
                     bar.set_postfix_str(entry.name, refresh=False)
+                    check_finite(entry, base_tensor, items, base_source, expert_sources)  # before any SVD
                     layer = layer_input(entry, base_tensor, items, device, dtype)
                     base_norm = float(torch.linalg.vector_norm(base_tensor.double()))
                     _inspect_layer(entry, layer, base_norm, specs, recipe.expert_keys, opts, state, entry.name in keep)
@@ -230,6 +280,7 @@ def inspect_model(
                     bar.update()
             seconds = time.perf_counter() - started
             summary = _summary(recipe, opts, specs, state, skipped, wudi_layer, seconds, device)
+            summary.update(threads=threads_used.threads, threads_from=threads_used.source)
             _write_tables(folder, state, specs, recipe.expert_keys, summary)
             if opts.plots:
                 write_plots(folder, state, specs, wudi_layer)
@@ -250,7 +301,7 @@ def select_layers(
     expert_infos = [e.infos() for e in experts]
     skipped = [name for name in infos if not any(name in e for e in expert_infos)]
     kept = {name: info for name, info in infos.items() if name not in skipped}
-    plan = make_plan(recipe, kept, expert_infos, list(recipe.experts))
+    plan = make_plan(recipe, kept, expert_infos, list(recipe.experts), stored_in_out(recipe.base, kept, experts))
     layers = [e for e in plan if e.action == "merge" and (pattern is None or re.search(pattern, e.name))]
     if not layers:
         what = f"matches --layers '{pattern}'" if pattern else "is in the base"
@@ -284,7 +335,13 @@ def representative_layers(layers: Sequence[TensorPlan], count: int) -> list[str]
 def layer_input(
     entry: TensorPlan, base_tensor: torch.Tensor, items: Sequence[Any], device: torch.device, dtype: torch.dtype
 ) -> LayerInput:
-    """The task vectors of one layer: LoRA cores (float64, exact) when every expert is an adapter, else dense."""
+    """The task vectors of one layer: LoRA cores (float64, exact) when every expert is an adapter, else dense.
+
+    A weight stored (in, out) (``entry.transposed``, a Conv1D) is oriented (out, in), as ``merge`` gives it
+    to a matrix method.
+    """
+    if entry.transposed:
+        base_tensor, items = base_tensor.T, [transpose_item(item) for item in items]
     shape = tuple(base_tensor.shape)
     if all(item is None or isinstance(item, LoraDelta) for item in items):
         deltas = [
@@ -317,7 +374,7 @@ def _inspect_layer(
     keep_spectrum: bool,
 ) -> None:
     start = time.perf_counter()
-    d_out, d_in = entry.shape
+    d_out, d_in = entry.shape[::-1] if entry.transposed else entry.shape  # as layer_input oriented it
     row: dict[str, Any] = {
         "name": entry.name,
         "type": diagnostics.layer_type(entry.name),
@@ -326,6 +383,7 @@ def _inspect_layer(
         "d_in": d_in,
         "N": layer.stack.shape[0],
         "route": "factored" if layer.factored else "dense",
+        "layout": CONV1D_LAYOUT if entry.transposed else "linear (out, in)",
     }
     with shared_decompositions():
         eq, spectrum = _equation_and_spectrum(layer.stack, layer.full_shape)

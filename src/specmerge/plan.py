@@ -14,7 +14,8 @@ paper (merge the 2-D linear weights, average the rest):
    they follow rules 4-5 like any other tensor.
 4. 2-D floating tensors whose last name component contains ``weight`` (``q_proj.weight``, CLIP's
    ``in_proj_weight``, GPT-2's Conv1D ``c_attn.weight``): ``merge`` with the recipe's method. A fused
-   weight (qkv, gate_up) is one 2-D layer.
+   weight (qkv, gate_up) is one 2-D layer. Conv1D weights are stored (in, out): the plan marks them
+   ``transposed`` (from the base's config.json, :mod:`specmerge.layout`) and matrix methods see them as (out, in).
 5. Everything else that is floating (1-D norms and biases, >= 3-D conv kernels, 2-D parameters not
    named ``weight``): ``merge`` when the method is elementwise (task arithmetic, TIES and DARE apply to
    every tensor, as in their papers); ``recipe.non_matrix`` when the method needs matrices.
@@ -39,9 +40,10 @@ name, so tied copies differ; ``transformers`` re-ties them on load).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -90,6 +92,7 @@ class TensorPlan:
     method: str | None  # for merge
     params: dict[str, Any]  # merge: the method's complete params; average: {"scale": s}; keep_base: {}
     reason: str  # short human text: "2-D linear weight", "embedding", "override '*.mlp.*'", ...
+    transposed: bool = False  # stored (in, out), a Conv1D weight (specmerge.layout): matrix methods see its transpose
 
 
 class PlanError(SpecmergeError):
@@ -125,8 +128,12 @@ def make_plan(
     base: Mapping[str, TensorInfoLike],
     experts: Sequence[Mapping[str, TensorInfoLike]],
     expert_paths: Sequence[str],
+    transposed: Collection[str] = (),
 ) -> list[TensorPlan]:
-    """One :class:`TensorPlan` per base tensor, in the base's order; checks the experts fit the base."""
+    """One :class:`TensorPlan` per base tensor, in the base's order; checks the experts fit the base.
+
+    ``transposed`` names the 2-D weights stored (in, out) (:func:`specmerge.layout.transposed_weights`).
+    """
     if len(experts) != len(expert_paths):
         raise PlanError(f"make_plan got {len(experts)} experts but {len(expert_paths)} expert paths")
     method = get_method(recipe.method)
@@ -137,9 +144,11 @@ def make_plan(
     for name, info in base.items():
         shape = tuple(int(d) for d in info.shape)
         entry = _plan_tensor(name, shape, info.dtype, method, recipe, average_params, used)
+        if name in transposed:
+            entry = dataclasses.replace(entry, transposed=True)
         plan.append(entry)
         if entry.action != "keep_base":
-            problems += _expert_problems(name, shape, experts, expert_paths)
+            problems += _expert_problems(name, shape, experts, expert_paths, dtype=info.dtype)
     for expert, path in zip(experts, expert_paths, strict=True):
         problems += [
             f"tensor '{name}' is in expert '{path}' but not in the base: it would be dropped from the merged model; "
@@ -150,14 +159,46 @@ def make_plan(
     if problems:
         more = f" (and {len(problems) - 1} more such problems)" if len(problems) > 1 else ""
         raise PlanError(problems[0] + more)
-    for override, matched in zip(recipe.overrides, used, strict=True):
-        if not matched and not any(fnmatch.fnmatchcase(name, override.pattern) for name in base):
-            example = difflib.get_close_matches(override.pattern, list(base), n=1, cutoff=0)
-            hint = f" (names look like '{example[0]}')" if example else ""
-            raise PlanError(
-                f"override '{override.pattern}' matches no tensor of the base{hint}: fix the pattern or remove it"
-            )
+    for i, matched in enumerate(used):
+        if not matched:
+            _unused_override(i, recipe.overrides, base)
     return plan
+
+
+def _unused_override(index: int, overrides: Sequence[Any], base: Mapping[str, TensorInfoLike]) -> None:
+    """Raise for an override that no tensor gets: it matches none, earlier overrides take all it matches,
+    or it matches only tensors that are not floating point (always kept) and asks for something else."""
+    override = overrides[index]
+    names = [name for name in base if fnmatch.fnmatchcase(name, override.pattern)]
+    if not names:
+        example = difflib.get_close_matches(override.pattern, list(base), n=1, cutoff=0)
+        hint = f" (names look like '{example[0]}')" if example else ""
+        raise PlanError(
+            f"override '{override.pattern}' matches no tensor of the base{hint}: fix the pattern or remove it"
+        )
+    floating = [name for name in names if base[name].dtype.is_floating_point]
+    if not floating:
+        if override.action == "keep_base":
+            return  # what it asks for happens anyway
+        raise PlanError(
+            f"override '{override.pattern}' matches only tensors that are not floating point (e.g. '{names[0]}'), "
+            "which are always kept from the base: remove it or fix the pattern"
+        )
+    earlier = next(o for o in overrides[:index] if fnmatch.fnmatchcase(floating[0], o.pattern))
+    raise PlanError(
+        f"override '{override.pattern}' is never applied: every tensor it matches (e.g. '{floating[0]}') is "
+        f"matched first by the earlier override '{earlier.pattern}' (the first matching pattern wins): "
+        f"remove it, or move it before '{earlier.pattern}'"
+    )
+
+
+def dtype_kind(dtype: torch.dtype) -> str:
+    """``bool``, ``integer``, ``floating point`` or ``complex``: experts may change a tensor's precision, not this."""
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "floating point" if dtype.is_floating_point else "integer"
 
 
 def summarize(plan: Sequence[TensorPlan]) -> dict[str, Any]:
@@ -216,7 +257,12 @@ def _plan_tensor(
 
 
 def _expert_problems(
-    name: str, shape: tuple[int, ...], experts: Sequence[Mapping[str, TensorInfoLike]], paths: Sequence[str]
+    name: str,
+    shape: tuple[int, ...],
+    experts: Sequence[Mapping[str, TensorInfoLike]],
+    paths: Sequence[str],
+    *,
+    dtype: torch.dtype,
 ) -> list[str]:
     problems = []
     for expert, path in zip(experts, paths, strict=True):
@@ -231,6 +277,12 @@ def _expert_problems(
                 f"tensor '{name}' has shape {tuple(info.shape)} in expert '{path}' but {shape} in the base: "
                 "experts must be fine-tuned from this base (for a resized vocabulary, an override with "
                 "action keep_base takes the tensor from the base)"
+            )
+        elif dtype_kind(info.dtype) != dtype_kind(dtype):
+            problems.append(
+                f"tensor '{name}' is {info.dtype} ({dtype_kind(info.dtype)}) in expert '{path}' but {dtype} "
+                f"({dtype_kind(dtype)}) in the base: experts may differ from the base in precision (float16, "
+                "bfloat16, float32), not in the kind of number; was the expert converted or quantized?"
             )
     return problems
 

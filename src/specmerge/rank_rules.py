@@ -80,16 +80,21 @@ def gavish_donoho_omega(beta: float) -> float:
     return lambda_star / math.sqrt(marchenko_pastur_median(beta))
 
 
-def gavish_donoho_rank(eigenvalues: torch.Tensor, n_rows: int, n_cols: int) -> int:
+def gavish_donoho_rank(
+    eigenvalues: torch.Tensor, n_rows: int, n_cols: int, median_of: torch.Tensor | None = None
+) -> int:
     """K = #{sigma_k > omega(beta) median(sigma)} for the n_rows x n_cols matrix M (paper Eq. 13).
 
     beta = min/max of M's shape and the median runs over its min(n_rows, n_cols) singular values;
     ``eigenvalues`` may hold more (structural zeros of C when n_rows < n_cols), which are ignored.
+    ``median_of``: the eigenvalues whose median sets the noise level, when they differ from those counted
+    (specmerge counts the resolved eigenvalues and takes the median of all of them as computed).
     K = 0 is a valid answer: no singular value stands above the noise bulk.
     """
     m = min(n_rows, n_cols)
-    if eigenvalues.numel() < m:
+    noise = eigenvalues if median_of is None else median_of
+    if min(eigenvalues.numel(), noise.numel()) < m:
         raise ValueError(f"need the {m} singular values of a {n_rows} x {n_cols} matrix, got {eigenvalues.numel()}")
     sigma = _singular_values(eigenvalues)[:m]
-    threshold = gavish_donoho_omega(m / max(n_rows, n_cols)) * float(sigma.quantile(0.5))
+    threshold = gavish_donoho_omega(m / max(n_rows, n_cols)) * float(_singular_values(noise)[:m].quantile(0.5))
     return int((sigma > threshold).sum())

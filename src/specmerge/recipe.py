@@ -12,6 +12,7 @@ parameter of their method with defaults filled in, and ``expert_keys`` holds one
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -36,7 +37,7 @@ DTYPES: dict[str, torch.dtype] = {
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _SIZE_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-_DEVICE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
+DEVICE_PATTERN = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")  # the devices a recipe may name
 
 
 class RecipeError(SpecmergeError):
@@ -252,15 +253,25 @@ class Recipe(BaseModel):
     @field_validator("device")
     @classmethod
     def _device(cls, device: str) -> str:
-        if not _DEVICE.match(device):
+        if not DEVICE_PATTERN.match(device):
             raise RecipeError(f"device '{device}' is not one of cpu, cuda, cuda:N (N = 0, 1, ...), auto")
         return device
 
     @field_validator("shard_size", mode="before")
     @classmethod
     def _shard_size(cls, value: Any) -> Any:
-        if isinstance(value, int | str):
-            parse_size(value)
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)  # 5e9 from YAML
+        if not isinstance(value, int | str):
+            raise RecipeError(f"shard_size must be a number of bytes or a size such as '5GB', got {value!r}")
+        parse_size(value)
+        return value
+
+    @field_validator("max_rank", mode="before")
+    @classmethod
+    def _rank_not_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise RecipeError(f"max_rank must be a whole number >= 1, got {value!r}")
         return value
 
     @model_validator(mode="after")

@@ -6,6 +6,9 @@ keyword-only arguments of ``fn``; their types, defaults and help text are read f
 and the ``Args:`` section of the docstring. Three keyword names are reserved for context the caller
 supplies rather than the user: ``tensor_name`` and ``expert_keys`` (used by seeded methods) and
 ``full_shape`` (methods that can merge small cores of low-rank experts exactly, see ``specmerge.lora``).
+
+Float parameters are finite: NaN is refused everywhere, and +-Inf (also written ``1e400``) too, except
+where a parameter's type says that +Inf means "no limit" (:data:`NonNegativeOrInf`, e.g. SWUDI's ``t``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import difflib
 import functools
 import importlib
 import inspect
+import math
 import re
 import types
 import typing
@@ -29,6 +33,7 @@ UnitInterval = Annotated[float, Field(ge=0, le=1)]
 NonNegative = Annotated[float, Field(ge=0)]
 Positive = Annotated[float, Field(gt=0)]
 Count = Annotated[int, Field(ge=0)]
+NonNegativeOrInf = Annotated[float, Field(ge=0, allow_inf_nan=True)]  # +inf means "no limit"; NaN is refused
 
 CONTEXT_KEYWORDS = frozenset({"tensor_name", "expert_keys", "full_shape"})
 BUILTIN_MODULES = ("specmerge.spectral", "specmerge.baselines", "specmerge.iterative")
@@ -86,9 +91,11 @@ class Method:
     def validate(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """Check names and types of ``params`` (strings from a CLI are coerced); return all params with defaults."""
         known = [p.name for p in self.params]
-        for key in params:
+        for key, value in params.items():
             if key not in known:
                 raise ValueError(unknown_name_message(f"parameter of method '{self.name}'", key, known))
+            if _is_nan(value):
+                raise ValueError(f"method '{self.name}': parameter '{key}' must be a number, not NaN (got {value!r})")
         try:
             model = self._model.model_validate(dict(params))
         except ValidationError as err:
@@ -97,12 +104,17 @@ class Method:
             raise ValueError(
                 f"method '{self.name}': parameter '{loc}' {first['msg'].lower()} (got {first.get('input')!r})"
             ) from None
-        return model.model_dump()
+        values = model.model_dump()
+        for key, value in values.items():  # NaN from another spelling, where +inf is allowed
+            if _is_nan(value):
+                raise ValueError(f"method '{self.name}': parameter '{key}' must be a number, not NaN")
+        return values
 
     @functools.cached_property
     def _model(self) -> Any:
         fields = {p.name: (p.annotation, p.default) for p in self.params}
-        return create_model(f"{self.name}_params", __config__=ConfigDict(extra="forbid", strict=False), **fields)
+        config = ConfigDict(extra="forbid", strict=False, allow_inf_nan=False)  # see the module docstring
+        return create_model(f"{self.name}_params", __config__=config, **fields)
 
     def __call__(
         self,
@@ -133,6 +145,16 @@ class Method:
                 raise ValueError(f"method '{self.name}' cannot merge factored (low-rank) experts; densify them first")
             values["full_shape"] = full_shape
         return self.fn(compute_dtype(task_vectors, dtype), **values)
+
+
+def _is_nan(value: Any) -> bool:
+    """Whether ``value`` is NaN or a string that reads as NaN ("nan", "NaN")."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return False
+    return isinstance(value, float) and math.isnan(value)
 
 
 def compute_dtype(task_vectors: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -236,4 +258,6 @@ def _bound_text(constraint: Any) -> str:
     for attr, symbol in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
         if hasattr(constraint, attr):
             return f"{symbol}{getattr(constraint, attr)}"
+    if getattr(constraint, "allow_inf_nan", False):
+        return "or inf"
     return ""

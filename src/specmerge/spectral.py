@@ -21,7 +21,7 @@ import torch
 
 from specmerge import rank_rules
 from specmerge.filters import Exponential, Filter, Landweber, PseudoInverse, Tikhonov, TopK
-from specmerge.registry import Count, LayerResult, NonNegative, Positive, UnitInterval, register
+from specmerge.registry import Count, LayerResult, NonNegative, NonNegativeOrInf, Positive, UnitInterval, register
 
 TauInit = Literal["sum", "mean", "zero"]
 RankRule = Literal["psqrt", "gavish_donoho", "participation"]
@@ -142,112 +142,260 @@ def normal_equation(task_vectors: torch.Tensor) -> NormalEquation:
 class Spectrum:
     """Eigendecomposition of C = M^T M.
 
-    ``eigenvalues`` holds the min(n_rows, n_cols) squared singular values of M in descending order,
-    those at or below ``tol`` set to exactly zero; ``eigenvectors`` holds only the ``rank`` columns
-    of Q whose eigenvalue is above ``tol`` (the rest never receive gain).
+    ``eigenvalues`` holds the min(n_rows, n_cols) squared singular values of M in descending order, those
+    the decomposition does not resolve (at or below ``floor``, see :func:`resolution_floor`) set to exactly
+    zero. It is the one view of the spectrum: the rank rules, the numerical ``rank`` and the diagnostics
+    read it, so float32 and float64 choose the same K (a cut at the usual n_cols eps lambda_1 dropped 270
+    real eigenvalues of a 768 x 3072 layer in float32 and moved the psqrt rank from 606 to 588:
+    BENCHMARKS.md, issue 6).
 
-    ``tol`` = n_cols eps lambda_1 (the usual numerical-rank cut) decides which directions are inverted.
-    The rank rules instead see ``resolved``: the eigenvalues cut at sqrt(n_cols) eps lambda_1, about 3x
-    the error the symmetric eigensolver actually makes. In float32 on a 768 x 3072 layer the first cut
-    (3.7e-4 lambda_1) drops 270 real eigenvalues that float64 keeps and moves the psqrt rank from 606 to
-    588; with the second the two precisions choose the same K (BENCHMARKS.md, issue 6).
+    ``vectors`` holds eigenvectors (columns, same order): the N d_out of the row space of M from the SVD route,
+    all d_in from eigh(C); ``eigenvectors`` are the ``rank`` resolved ones. ``computed`` holds the eigenvalue
+    of every column as computed (clipped at 0, C being positive semi-definite; None means ``eigenvalues``):
+    :func:`inverse_gains` still inverts an unresolved direction when the filter's gain does not depend on
+    where in [0, floor] its eigenvalue really lies (SWUDI's h / lambda <= t), at its computed eigenvalue.
+    ``accurate``: from the SVD of M (small eigenvalues accurate to eps sigma_1 sigma_k) rather than from
+    eigh(C) (to eps lambda_1).
     """
 
     eigenvalues: torch.Tensor
-    eigenvectors: torch.Tensor
+    vectors: torch.Tensor
     n_rows: int
     n_cols: int
-    tol: float
-    resolved: torch.Tensor | None = None
+    floor: float = 0.0
+    computed: torch.Tensor | None = None
+    accurate: bool = False
 
-    @property
-    def rule_eigenvalues(self) -> torch.Tensor:
-        """The eigenvalues the rank rules use (``resolved`` when known, else ``eigenvalues``)."""
-        return self.eigenvalues if self.resolved is None else self.resolved
-
-    @property
+    @functools.cached_property
     def rank(self) -> int:
-        return self.eigenvectors.shape[1]
+        """The number of resolved (non-zero) eigenvalues: the numerical rank of C."""
+        return int((self.eigenvalues > 0).sum())
+
+    @property
+    def eigenvectors(self) -> torch.Tensor:
+        """The eigenvectors of the ``rank`` resolved eigenvalues (n_cols x rank)."""
+        return self.vectors[:, : self.rank]
+
+    @property
+    def computed_eigenvalues(self) -> torch.Tensor:
+        return self.eigenvalues if self.computed is None else self.computed
 
 
-def decompose(eq: NormalEquation, full_shape: tuple[int, int] | None = None) -> Spectrum:
-    """Symmetric eigendecomposition of C, through the smaller of C (d_in^2) and M M^T ((N d_out)^2).
+def decompose(eq: NormalEquation, full_shape: tuple[int, int] | None = None, *, accurate: bool = False) -> Spectrum:
+    """Symmetric eigendecomposition of C, through the smaller of C (d_in^2) and the row space of M ((N d_out)^2).
 
-    Eigenvalues at or below d_in * eps * lambda_1 are treated as zero. ``full_shape`` = (d_out, d_in)
-    of the real layer when ``eq`` holds small cores T_i with tau_i = P T_i R^T (P, R orthonormal, e.g.
-    LoRA experts): C then has the same non-zero eigenvalues, padded here with the zeros the real
-    min(N d_out, d_in) spectrum has, and d_in, N d_out are the real ones for rank rules and the tolerance.
+    N d_out >= d_in: eigh(C), eigenvalues accurate to about eps lambda_1. N d_out < d_in, or ``accurate``:
+    the SVD of M through a Householder QR (:func:`_singular_pairs`), so that the non-zero eigenpairs of C are
+    (sigma^2, right singular vectors): orthonormal to working precision, small eigenvalues accurate to
+    eps sigma_1 sigma_k. On wide layers that is one N d_out-sized SVD instead of a d_in-sized eigh: CPU time
+    0.37x of eigh(C) at N d_out = d_in / 2, 0.6x at 5/8, 1.1-1.25x at 3/4 (kept there too: eigh(C) leaves the
+    bottom of a spiked spectrum unresolved, and psqrt's sum then differs from float64's). The route it
+    replaces, eigenvectors M^T u / sigma from those of M M^T, lost orthogonality as
+    eps lambda_1 / (sigma_j sigma_k): 1e-2 in float32 with few experts. On tall layers the SVD costs about
+    twice eigh(C) and forms M: :func:`spectral_merge` asks for it only for filters that must invert
+    eigenvalues eigh(C) does not resolve.
+
+    ``full_shape`` = (d_out, d_in) of the real layer when ``eq`` holds small cores T_i with tau_i = P T_i R^T
+    (P, R orthonormal, e.g. LoRA experts): C then has the same non-zero eigenvalues, padded here with the
+    zeros the real min(N d_out, d_in) spectrum has, and d_in, N d_out are the real ones for rank rules and
+    the resolution floor.
     """
     n_rows, n_cols = eq.n_experts * eq.d_out, eq.d_in
-    eps = torch.finfo(eq.D.dtype).eps
     if full_shape is not None:
-        return _embed(decompose(eq), eq.n_experts * full_shape[0], full_shape[1], eps)
-    if n_rows < n_cols:
-        # C and M M^T share their non-zero eigenvalues; q_k = M^T u_k / sigma_k.
-        M = eq.M
-        lam, U = torch.linalg.eigh(M @ M.T)
-        lam, U = lam.flip(0), U.flip(1)
-        resolved = _resolved(lam, n_cols, eps)
-        lam, tol, rank = _zero_small(lam, n_cols, eps)
-        Q = (M.T @ U[:, :rank]) / lam[:rank].sqrt()
-    else:
-        lam, Q = torch.linalg.eigh(eq.C)
-        lam, Q = lam.flip(0), Q.flip(1)
-        resolved = _resolved(lam, n_cols, eps)
-        lam, tol, rank = _zero_small(lam, n_cols, eps)
-        Q = Q[:, :rank]
-    return Spectrum(lam, Q, n_rows, n_cols, tol, resolved)
+        return _embed(decompose(eq, accurate=accurate), eq.n_experts * full_shape[0], full_shape[1])
+    if accurate or n_rows < n_cols:
+        sigma, Q = _singular_pairs(eq.M)
+        return _spectrum(sigma * sigma, Q, n_rows, n_cols, accurate=True)
+    lam, Q = torch.linalg.eigh(eq.C)
+    return _spectrum(lam.flip(0), Q.flip(1), n_rows, n_cols, accurate=False)
 
 
-def _zero_small(lam: torch.Tensor, n_cols: int, eps: float) -> tuple[torch.Tensor, float, int]:
-    """Descending eigenvalues with those at or below n_cols * eps * lambda_1 set to 0; the tolerance; the rank."""
-    tol = n_cols * eps * float(lam[0].clamp(min=0)) if lam.numel() else 0.0
-    lam = torch.where(lam > tol, lam, torch.zeros_like(lam))
-    return lam, tol, int((lam > 0).sum())
+def _singular_pairs(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Singular values of M (descending) and its right singular vectors for them, via Householder QR.
+
+    Wide M: M^T = Q_0 R, R = U S V^T, so M = V S (Q_0 U)^T. Tall M: M = Q_0 R, R = U S V^T, so M = (Q_0 U) S V^T.
+    """
+    if M.shape[0] < M.shape[1]:
+        basis, R = torch.linalg.qr(M.T)
+        U, S, _ = torch.linalg.svd(R)
+        return S, basis @ U
+    R = torch.linalg.qr(M, mode="r")[1]
+    _, S, Vh = torch.linalg.svd(R)
+    return S, Vh.T
 
 
-def _resolved(lam: torch.Tensor, n_cols: int, eps: float) -> torch.Tensor:
-    """Descending eigenvalues with those at or below sqrt(n_cols) * eps * lambda_1 set to 0 (see Spectrum)."""
-    floor = math.sqrt(n_cols) * eps * float(lam[0].clamp(min=0)) if lam.numel() else 0.0
-    return torch.where(lam > floor, lam, torch.zeros_like(lam))
+def resolution_floor(eigenvalues: torch.Tensor, n_cols: int, accurate: bool) -> float:
+    """The eigenvalue at or below which a decomposition does not resolve C's eigenvalues.
+
+    Both are sqrt(n_cols) eps times the norm of the matrix decomposed, a few times the error each makes:
+    eigh of C (or of R R^T) is backward stable in ||C||_2 = lambda_1, so sqrt(n_cols) eps lambda_1; the SVD
+    of M in ||M||_F = sqrt(trace C), so sigma_k below sqrt(n_cols) eps ||M||_F, i.e. lambda_k below
+    n_cols eps^2 sum(lambda). ``eigenvalues`` are the computed ones, descending, clipped at 0.
+    """
+    if eigenvalues.numel() == 0:
+        return 0.0
+    eps = torch.finfo(eigenvalues.dtype).eps
+    if accurate:
+        return n_cols * eps * eps * float(eigenvalues.sum())
+    return math.sqrt(n_cols) * eps * float(eigenvalues[0])
 
 
-def _embed(core: Spectrum, n_rows: int, n_cols: int, eps: float) -> Spectrum:
-    """The spectrum of the real layer from that of its core: zeros appended, tolerances of the real d_in."""
-    pad = max(0, min(n_rows, n_cols) - core.eigenvalues.numel())
-    resolved = _resolved(core.rule_eigenvalues, n_cols, eps)
-    lam, tol, rank = _zero_small(core.eigenvalues, n_cols, eps)
-    padded, resolved = (torch.cat([x, x.new_zeros(pad)]) for x in (lam, resolved))
-    return Spectrum(padded, core.eigenvectors[:, :rank], n_rows, n_cols, tol, resolved)
+def _spectrum(computed: torch.Tensor, vectors: torch.Tensor, n_rows: int, n_cols: int, accurate: bool) -> Spectrum:
+    """The Spectrum of descending computed eigenvalues (one per column of ``vectors``, or fewer).
+
+    ``eigenvalues`` are the first min(n_rows, n_cols), zero-padded to that many, with the unresolved ones
+    zeroed; ``computed`` keeps them all, clipped at 0. When eigh(C) gives more (N d_out < d_in), the rest
+    belong to C's null space in exact arithmetic, but in working precision the bottom of a spectrum that
+    reaches the round-off mixes with them: the solve keeps them, like the paper's algorithm, and
+    :func:`filtered_solve` skips those whose right-hand side is round-off.
+    """
+    m = min(n_rows, n_cols)
+    computed = computed.clamp(min=0)
+    if computed.numel() < m:
+        computed = torch.cat([computed, computed.new_zeros(m - computed.numel())])
+    floor = resolution_floor(computed, n_cols, accurate)
+    head = computed[:m]
+    resolved = torch.where(head > floor, head, torch.zeros_like(head))
+    return Spectrum(resolved, vectors, n_rows, n_cols, floor, computed, accurate)
+
+
+def _embed(core: Spectrum, n_rows: int, n_cols: int) -> Spectrum:
+    """The spectrum of the real layer from that of its core: zeros appended, the floor of the real d_in."""
+    return _spectrum(core.computed_eigenvalues, core.vectors, n_rows, n_cols, core.accurate)
+
+
+def _directions(spectrum: Spectrum) -> tuple[torch.Tensor, torch.Tensor]:
+    """The computed eigenvalue of each column of ``spectrum.vectors``, and whether it is resolved."""
+    lam = spectrum.computed_eigenvalues[: spectrum.vectors.shape[1]]
+    if spectrum.computed is None:  # a Spectrum built by hand: its eigenvalues are the resolved view
+        return lam, lam > 0
+    return lam, lam > spectrum.floor
+
+
+def _gains_and_dropped(spectrum: Spectrum, filt: Filter) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse gains of the directions with an eigenvector, and which unresolved ones they leave out (see below)."""
+    lam, resolved = _directions(spectrum)
+    gains = filt.inverse_gain(lam)
+    if bool(resolved.all()):
+        return gains, torch.zeros_like(resolved)
+    at_zero = filt.inverse_gain(torch.where(resolved, lam, torch.zeros_like(lam)))
+    at_floor = filt.inverse_gain(torch.where(resolved, lam, torch.full_like(lam, spectrum.floor)))
+    bounded = at_zero.isfinite() & (at_floor >= at_zero / 2)
+    kept = (resolved | bounded) & gains.isfinite()
+    return torch.where(kept, gains, torch.zeros_like(gains)), ~kept
+
+
+def inverse_gains(spectrum: Spectrum, filt: Filter) -> torch.Tensor:
+    """g_k = h_k / lambda_k for each direction with an eigenvector, 0 for those left out.
+
+    Resolved directions get the filter's gain at their eigenvalue. An unresolved one (eigenvalue at or
+    below the floor f: its true value is anywhere in [0, f]) is inverted only when the gain is resolved
+    there too, g(f) >= g(0) / 2 with g(0) finite: SWUDI and the exponential filter (h / lambda <= t) while
+    t f < 1.6, Landweber, Tikhonov with alpha >= f. It is left out (Moore-Penrose) where the gain would
+    amplify round-off without bound: the pseudoinverse, a hard cut reaching into unresolved eigenvalues,
+    Tikhonov with alpha < f, a long time t. Dropping the bounded ones instead loses real signal in float32
+    (1e-2 relative on SWUDI r = 1).
+    """
+    return _gains_and_dropped(spectrum, filt)[0]
 
 
 def filtered_solve(
-    eq: NormalEquation, spectrum: Spectrum, gains: torch.Tensor, tau_init: torch.Tensor | None
+    eq: NormalEquation, spectrum: Spectrum, gains: Filter | torch.Tensor, tau_init: torch.Tensor | None
 ) -> torch.Tensor:
-    """tau_init + (D - tau_init C) Q diag(h / lambda) Q^T (paper Eq. 8) for filter gains h.
+    """tau_init + (D - tau_init C) Q diag(h / lambda) Q^T (paper Eq. 8) for a filter h.
 
-    Directions with zero gain or zero eigenvalue are skipped, and (tau_init C) Q is computed as
-    (tau_init Q) diag(lambda), so a top-K filter costs O(d_out d_in K) after the decomposition.
+    ``gains`` is the :class:`Filter`, or the values h_k on ``spectrum.eigenvalues`` (then the resolved
+    directions are inverted, nothing else is checked: the plain formula). With a Filter, directions are
+    chosen by :func:`inverse_gains`, and a direction whose right-hand side B q_k = (D - tau_init C) q_k
+    is not above the round-off of computing it (:func:`_rounding_level`) is skipped too: it carries no
+    information, and inverting it would only amplify that round-off (by up to 1 / lambda_k).
+    Directions with zero gain are skipped; tau_init C costs one product with C (or with M, when cheaper).
     """
-    rank = spectrum.rank
-    lam = spectrum.eigenvalues[:rank]
-    inverse_gain = gains[:rank] / lam
-    active = inverse_gain != 0
-    Q = spectrum.eigenvectors[:, active]
-    projected = eq.D @ Q
-    if tau_init is not None:
-        projected = projected - (tau_init @ Q) * lam[active]
-    update = (projected * inverse_gain[active]) @ Q.T
+    lam, _ = _directions(spectrum)
+    if isinstance(gains, Filter):
+        inverse = inverse_gains(spectrum, gains)
+    else:
+        rank = spectrum.rank
+        inverse = torch.zeros_like(lam)
+        inverse[:rank] = gains[:rank] / spectrum.eigenvalues[:rank]
+    active = inverse != 0
+    if not bool(active.any()):
+        return torch.zeros_like(eq.D) if tau_init is None else tau_init.clone()
+    Q, lam, inverse = spectrum.vectors[:, active], lam[active], inverse[active]
+    # (D - tau_init C) Q with C itself, not (tau_init Q) diag(lambda): the computed q_k are eigenvectors only up
+    # to a residual of eps lambda_1, which D q_k carries and lambda_k tau_init q_k does not; on float32 layers
+    # with steep spectra the difference, amplified by SWUDI's gain t, made the result 2-3x less accurate
+    residual = eq.D if tau_init is None else eq.D - _times_C_once(eq, tau_init)
+    projected = residual @ Q
+    if isinstance(gains, Filter):
+        informative = projected.norm(dim=0) > _rounding_level(eq, spectrum, tau_init, lam, inverse, projected)
+        if not bool(informative.all()):
+            Q, projected, inverse = Q[:, informative], projected[:, informative], inverse[informative]
+    update = (projected * inverse) @ Q.T
     return update if tau_init is None else tau_init + update
+
+
+def _times_C_once(eq: NormalEquation, X: torch.Tensor) -> torch.Tensor:
+    """X C for a single X: with C when it is formed already, else as (X M^T) M (C would cost n_rows d_in^2 first)."""
+    return X @ eq.C if "C" in eq.__dict__ else (X @ eq.M.T) @ eq.M
+
+
+def _rounding_level(
+    eq: NormalEquation,
+    spectrum: Spectrum,
+    tau_init: torch.Tensor | None,
+    lam: torch.Tensor,
+    gains: torch.Tensor,
+    projected: torch.Tensor,
+    chunk: int = 1024,
+) -> torch.Tensor:
+    """The round-off in the computed right-hand side B q_k of each inverted direction, as it affects the update.
+
+    Two parts, u = eps / 2 the unit round-off:
+    - D and tau_init C are formed with errors of a few u times their norms (measured in float32: 4-8 u ||D||_F
+      in all, 0.3-1 u ||D||_F along one direction): u (||D||_F + lambda_k ||tau_init||_F);
+    - the computed q_k holds each other q_j at an angle of u lambda_1 / |lambda_j - lambda_k| (eigh) or
+      u sigma_1 max(sigma_j, sigma_k) / |sigma_j^2 - sigma_k^2| (SVD) (Davis-Kahan, Wedin), which moves the
+      update along q_k by that angle times (g_k - g_j) ||B q_j||: relative to g_k, |1 - g_j / g_k| ||B q_j||.
+      It matters only where the gains differ: the tail of a pseudoinverse (1 / lambda_k against 1 / lambda_j),
+      C's null space under SWUDI (t against 1 / lambda_j on dense LoRA experts).
+    A direction whose B q_k is below this carries no information, and inverting it would only amplify round-off.
+    """
+    unit = torch.finfo(eq.D.dtype).eps / 2
+    start = 0.0 if tau_init is None else float(tau_init.norm())
+    level = unit * (float(eq.D.norm()) + lam * start)
+    if lam.numel() < 2:
+        return level
+    size = projected.norm(dim=0)
+    lam = lam.to(torch.float64)  # the gaps below are differences of eigenvalues: take them without new round-off
+    if spectrum.accurate:
+        sigma = lam.sqrt()
+        scale = unit * float(sigma[0])
+    else:
+        scale = unit * float(lam[0])
+    mixing = []
+    for rows in torch.split(torch.arange(lam.numel(), device=lam.device), chunk):
+        if spectrum.accurate:
+            gap = (lam[rows, None] - lam[None, :]).abs() / torch.maximum(sigma[rows, None], sigma[None, :])
+        else:
+            gap = (lam[rows, None] - lam[None, :]).abs()
+        differ = (1 - gains[None, :].double() / gains[rows, None].double()).abs()
+        angle = torch.where(differ > 0, differ / gap, torch.zeros_like(gap))  # equal gains: no effect
+        angle[torch.arange(rows.numel()), rows] = 0
+        mixing.append((angle * size[None, :].double()).norm(dim=1))
+    return level + scale * torch.cat(mixing).to(level.dtype)
 
 
 def choose_rank(rule: RankRule, spectrum: Spectrum) -> int:
     """K from a named rank rule applied to the spectrum of C."""
-    lam = spectrum.rule_eigenvalues
+    lam = spectrum.eigenvalues
     if rule == "psqrt":
         return rank_rules.psqrt_rank(lam)
     if rule == "gavish_donoho":
-        return rank_rules.gavish_donoho_rank(lam, spectrum.n_rows, spectrum.n_cols)
+        # the noise level is the median of the values as computed: zeroing the unresolved ones would drag it
+        # to 0 where the bottom of a noise bulk lies below the floor; only resolved values count as above it
+        noise = spectrum.computed_eigenvalues[: lam.numel()]
+        return rank_rules.gavish_donoho_rank(lam, spectrum.n_rows, spectrum.n_cols, median_of=noise)
     if rule == "participation":
         return rank_rules.participation_rank(lam)
     raise ValueError(f"unknown rank rule {rule!r}: use psqrt, gavish_donoho or participation")
@@ -271,8 +419,13 @@ def spectral_merge(
     if spectrum is None:
         return LayerResult(torch.zeros_like(task_vectors[0]), {"n_experts": 0, "kept_rank": 0})
     filt, kept = make_filter(spectrum)
+    if not spectrum.accurate and bool(_gains_and_dropped(spectrum, filt)[1].any()):
+        # the filter inverts eigenvalues eigh(C) does not resolve without bound (pseudoinverse, small
+        # Tikhonov alpha): decompose again through the SVD of M, which resolves them (the rank rule,
+        # if any, keeps the K it chose on the first spectrum)
+        spectrum = _accurate_spectrum(task_vectors, eq, full_shape)
     gains = filt(spectrum.eigenvalues)
-    tau_hat = filtered_solve(eq, spectrum, gains, start)
+    tau_hat = filtered_solve(eq, spectrum, filt, start)
     return LayerResult(scale * tau_hat, spectrum_diagnostics(eq, spectrum, kept, gains))
 
 
@@ -309,6 +462,18 @@ def _equation_and_spectrum(
     return eq, spectrum
 
 
+def _accurate_spectrum(task_vectors: torch.Tensor, eq: NormalEquation, full_shape: tuple[int, int] | None) -> Spectrum:
+    """decompose(eq, accurate=True), shared like :func:`_equation_and_spectrum` within shared_decompositions()."""
+    cache = _SHARED.get()
+    key = (id(task_vectors), task_vectors._version, full_shape, "accurate")
+    if cache is not None and key in cache:
+        return cache[key][2]
+    spectrum = decompose(eq, full_shape, accurate=True)
+    if cache is not None:
+        cache[key] = (task_vectors, eq, spectrum)
+    return spectrum
+
+
 def spectrum_diagnostics(eq: NormalEquation, spectrum: Spectrum, kept: int | None, gains: torch.Tensor) -> dict:
     """Per-layer figures: kept rank K, eigenvalue summary, energy kept, filter gain summary."""
     lam = spectrum.eigenvalues.double()
@@ -332,7 +497,7 @@ def swudi(
     task_vectors: torch.Tensor,
     *,
     rank_ratio: UnitInterval = 0.65,
-    t: NonNegative = 1300.0,
+    t: NonNegativeOrInf = 1300.0,
     tau_init: TauInit = "sum",
     scale: float = 1.0,
     full_shape: tuple[int, int] | None = None,

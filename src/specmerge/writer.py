@@ -8,22 +8,34 @@ about one tensor. ``atomic_directory`` makes a whole output folder appear only w
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import json
+import math
 import os
 import secrets
 import shutil
+import socket
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 
 import torch
 
+from specmerge import __version__
 from specmerge.errors import SpecmergeError
-from specmerge.sources import SAFETENSORS_DTYPES, SAFETENSORS_FILE, SAFETENSORS_INDEX, TensorInfo
+from specmerge.sources import (
+    SAFETENSORS_DTYPES,
+    SAFETENSORS_FILE,
+    SAFETENSORS_INDEX,
+    SourceError,
+    TensorInfo,
+    folder_file,
+)
 
 _DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 
@@ -78,9 +90,11 @@ class ShardWriter:
     as ``model.safetensors``; several as ``model-00001-of-0000K.safetensors`` plus
     ``model.safetensors.index.json``. Within a shard, tensors are laid out by decreasing element size
     (stable), as safetensors itself does, so that every tensor's data is aligned to its element size.
-    Each file is created (header written, size reserved) at its first ``write`` and closed once full;
-    with ``fsync`` (default) its bytes are flushed to disk in the background as they are written
-    (every ``SYNC_BYTES``) and once more when full, and ``close`` returns only when all are on disk.
+    Each file is created (size reserved, all zeros) at its first ``write``, gets its header only once
+    all its tensors are in, and is closed then: a shard left unfinished by a crash or a kill has a
+    header length of 0 and loads nowhere, instead of loading with most tensors zero. With ``fsync``
+    (default) its bytes are flushed to disk in the background as they are written (every
+    ``SYNC_BYTES``) and once more when full, and ``close`` returns only when all are on disk.
     ``write`` is safe to call from several threads.
     """
 
@@ -259,16 +273,21 @@ class ShardWriter:
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
         fd = os.open(self.files[shard], flags, 0o644)
         try:
-            _pwrite_all(fd, memoryview(self._headers[shard]), 0, None)
-            os.ftruncate(fd, self._sizes[shard])
+            os.ftruncate(fd, self._sizes[shard])  # the header comes last, in _finish
         except BaseException:
             os.close(fd)
             raise
         return fd
 
     def _finish(self, shard: int) -> None:
-        """Hand a full shard to the flusher thread: fsync then close, while the next shards are written."""
+        """Write a full shard's header, then hand it to the flusher thread: fsync then close, while the next
+        shards are written."""
         fd = self._fds.pop(shard)
+        try:
+            _pwrite_all(fd, memoryview(self._headers[shard]), 0, None)
+        except BaseException:
+            os.close(fd)
+            raise
         if self._fsync:
             self._flushes.append(self._flush_pool().submit(_fsync_and_close, fd))
         else:
@@ -356,40 +375,350 @@ class OutputExistsError(OutputError, FileExistsError):
     """The output folder exists and overwriting was not asked for."""
 
 
-@contextlib.contextmanager
-def atomic_directory(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder beside ``target`` that becomes ``target`` only if the block succeeds.
+# Every finished output folder holds this marker (who wrote it, which files), so that ``--overwrite`` tells
+# specmerge's own output, which it may replace, from anyone else's folder, which it never replaces.
+OUTPUT_MARKER = ".specmerge"
+# An output is written in a hidden work folder beside it, ``.<name>.specmerge-tmp-<hex>/``: ``owner.json``
+# (the process writing it) and ``output/`` (renamed onto the target once complete).
+WORK_INFIX = ".specmerge-tmp-"
+_OWNER_FILE = "owner.json"
+_WORK_OUTPUT = "output"
+_WORK_REPLACED = "replaced"  # an overwritten target, moved here just before the new output takes its place
+_NAME_MAX = 255  # bytes in a file name on common file systems
+# What `specmerge inspect` wrote before OUTPUT_MARKER existed (merges of those versions list theirs in report.json).
+_LEGACY_INSPECT_FILES = frozenset(
+    {
+        "layers.csv",
+        "layers.json",
+        "summary.json",
+        "optimizer_filter.csv",
+        "filters.csv",
+        "report.md",
+        "spectra.png",
+        "kept_ranks.png",
+        "filter_shapes.png",
+        "delta_norms.png",
+        "optimizer_filter.png",
+    }
+)
 
-    On any exception the temporary folder is deleted and nothing is left behind. With ``overwrite``,
-    an existing target is moved aside and deleted only after the new folder is in place.
+
+def check_output(target: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Return ``target`` as an absolute path if a new output may be written there; raise :class:`OutputError` if not.
+
+    Its parent folder must exist. The current folder, the home folder and folders holding either are refused.
+    An existing ``target`` is refused unless ``overwrite``, and even then unless it is an empty folder or
+    specmerge's own output holding nothing else (see :func:`foreign_entries`). Call it before any work;
+    :func:`atomic_directory` checks again.
     """
-    target = Path(target).expanduser()
-    parent = target.parent
+    path = Path(os.path.abspath(Path(target).expanduser()))
+    parent = path.parent
+    if path == parent:
+        raise OutputError(f"cannot write the output to {path}: choose a new folder")
     if not parent.is_dir():
-        raise OutputError(f"cannot write {target}: its parent folder {parent} does not exist; create it first")
-    if target.exists() and not overwrite:
-        raise OutputExistsError(f"{target} already exists; pass --overwrite to replace it or choose another path")
-    temporary = parent / f".{target.name}.tmp-{secrets.token_hex(4)}"
-    temporary.mkdir()
+        raise OutputError(f"cannot write {path}: its parent folder {parent} does not exist; create it first")
+    if not os.path.lexists(path):
+        return path
+    real = Path(os.path.realpath(path))  # realpath, not resolve(): a symlink loop must not raise RuntimeError
+    for folder, what in ((_cwd(), "the current folder"), (_home(), "your home folder")):
+        if folder is not None and (real == folder or real in folder.parents):
+            raise OutputError(f"refusing to write the output to {path}: it is {what} or holds it; choose a new folder")
+    refusal = _replace_refusal(path)
+    if not overwrite:
+        hint = (
+            "pass --overwrite to replace it or choose another path"
+            if refusal is None
+            else "choose another path (--overwrite replaces only an empty folder or specmerge's own output)"
+        )
+        raise OutputExistsError(f"{path} already exists; {hint}")
+    if refusal is not None:
+        raise OutputError(refusal)
+    return path
+
+
+def foreign_entries(folder: str | os.PathLike) -> list[str] | None:
+    """The entries of ``folder`` that specmerge did not write (sub-folders end in ``/``), or None if specmerge
+    did not write the folder at all.
+
+    specmerge's own output is recognised by :data:`OUTPUT_MARKER`, and the outputs of earlier versions by their
+    ``report.json`` beside ``recipe.yaml`` (merges, adapters) or ``summary.json`` beside ``report.md``
+    (``specmerge inspect``). An empty folder has no foreign entries.
+    """
+    folder = Path(folder)
+    entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    if not entries:
+        return []
+    written = _written_files(folder)
+    if written is None:
+        return None
+    return [_entry_name(e) for e in entries if e.name not in written or e.is_dir(follow_symlinks=False)]
+
+
+def _written_files(folder: Path) -> set[str] | None:
+    marker = _read_json(folder / OUTPUT_MARKER)
+    if isinstance(marker, dict) and marker.get("written_by") == "specmerge" and _names(marker.get("files")):
+        return {*marker["files"], OUTPUT_MARKER}
+    report = _read_json(folder / "report.json")
+    files = report.get("files") if isinstance(report, dict) and "specmerge" in report else None
+    if _names(files) and _is_file(folder / "recipe.yaml"):
+        return set(files)
+    summary = _read_json(folder / "summary.json")
+    if isinstance(summary, dict) and "specmerge" in summary and _is_file(folder / "report.md"):
+        return set(_LEGACY_INSPECT_FILES)
+    return None
+
+
+def _replace_refusal(path: Path) -> str | None:
+    """Why ``--overwrite`` may not replace ``path``, or None if it may (an empty folder, or specmerge's output only)."""
+    if path.is_symlink() or not path.is_dir():
+        kind = "a symbolic link" if path.is_symlink() else "a file"
+        return (
+            f"{path} is {kind}, and --overwrite replaces only an empty folder or specmerge's own output: "
+            "remove it yourself or choose another path"
+        )
     try:
-        yield temporary
-        old = None
-        if target.exists():
+        foreign = foreign_entries(path)
+        listing = _listing([_entry_name(e) for e in sorted(os.scandir(path), key=lambda e: e.name)])
+    except OSError as err:
+        return f"cannot list {path} to check that specmerge wrote it ({err.strerror or err}); choose another path"
+    if foreign is None:
+        return (
+            f"{path} is not a folder specmerge wrote (it holds {listing}), and --overwrite replaces only an empty "
+            "folder or specmerge's own output: move its contents elsewhere or choose another path"
+        )
+    if foreign:
+        return (
+            f"{path} is specmerge's output but also holds {_listing(foreign)} that specmerge did not write: "
+            "move them elsewhere or choose another path"
+        )
+    return None
+
+
+def _listing(names: list[str]) -> str:
+    """``3 entries: a, b/, c`` with at most five names."""
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    return f"{len(names)} {'entry' if len(names) == 1 else 'entries'}: {shown}"
+
+
+def _entry_name(entry: os.DirEntry) -> str:
+    return entry.name + ("/" if entry.is_dir(follow_symlinks=False) else "")
+
+
+def _names(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _is_file(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
+
+
+def _read_json(path: Path) -> object:
+    """The JSON in a regular file, or None (missing, a link, unreadable, not JSON)."""
+    if not _is_file(path):
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path: Path, value: object, indent: int = 1) -> None:
+    path.write_text(json.dumps(value, indent=indent) + "\n", encoding="utf-8")
+
+
+def _cwd() -> Path | None:
+    with contextlib.suppress(OSError):
+        return Path.cwd().resolve()
+    return None
+
+
+def _home() -> Path | None:
+    with contextlib.suppress(OSError, RuntimeError, KeyError):
+        return Path.home().resolve()
+    return None
+
+
+@contextlib.contextmanager
+def atomic_directory(
+    target: str | os.PathLike, overwrite: bool = False, *, expected_bytes: int | None = None
+) -> Iterator[Path]:
+    """Yield an empty folder that becomes ``target`` only if the block succeeds.
+
+    ``target`` is checked first (:func:`check_output`). The folder yielded is ``output/`` inside a hidden work
+    folder ``.<name>.specmerge-tmp-<hex>`` beside ``target`` that records the writing process; work folders
+    there whose process is gone (killed, crashed, machine rebooted) are removed first, those of live
+    processes never (:func:`remove_stale_work_folders`). On success :data:`OUTPUT_MARKER` is added (the files
+    written) and the folder is renamed onto ``target``; a replaced target is deleted only once the new folder is
+    in place. On any exception (a signal included) the work folder is deleted and a replaced target put back.
+    An OS error about the written files names ``target``, never the work folder; a full disk says how much
+    space ``expected_bytes`` (the planned output size, when known) needs and how much is free.
+    """
+    target = check_output(target, overwrite)
+    remove_stale_work_folders(target.parent)
+    work = target.parent / _work_name(target.name)
+    try:
+        work.mkdir()
+    except OSError as err:
+        raise OutputError(
+            f"cannot write {target}: creating a folder in {target.parent} failed ({err.strerror or err}); "
+            "choose a folder you can write to"
+        ) from err
+    try:
+        _write_json(work / _OWNER_FILE, {**_this_process(), "target": target.name})
+        output = work / _WORK_OUTPUT
+        output.mkdir()
+        yield output
+        files = sorted(p.name for p in output.iterdir())
+        _write_json(output / OUTPUT_MARKER, {"written_by": "specmerge", "version": __version__, "files": files})
+        if os.path.lexists(target):
             if not overwrite:
                 raise OutputExistsError(f"{target} appeared while writing; choose another path or pass --overwrite")
-            old = parent / f".{target.name}.old-{secrets.token_hex(4)}"
-            target.rename(old)
-        try:
-            temporary.rename(target)
-        except BaseException:
-            if old is not None:
-                old.rename(target)
-            raise
-        if old is not None:
-            _remove(old)
-    except BaseException:
-        _remove(temporary)
+            refusal = _replace_refusal(target)  # again: it may have changed while we worked
+            if refusal is not None:
+                raise OutputError(refusal)
+            os.rename(target, work / _WORK_REPLACED)
+        os.rename(output, target)
+    except BaseException as err:
+        _abandon(work, target)
+        translated = _output_os_error(err, work, target, expected_bytes)
+        if translated is not None:
+            raise translated from err
         raise
+    _remove(work)  # with the replaced folder, if any
+
+
+def remove_stale_work_folders(parent: str | os.PathLike) -> list[Path]:
+    """Remove the work folders in ``parent`` whose writing process has certainly exited; return them.
+
+    A process counts as exited when its pid is gone, is a zombie, or was reused by a process started later (Linux
+    start times), or when the machine was rebooted since. Folders written on another host or in another pid
+    namespace, without an owner file, or of a live process are left alone. A replaced target found in a stale
+    folder is put back where it was, if that place is free.
+    """
+    removed = []
+    with contextlib.suppress(OSError), os.scandir(parent) as listing:
+        for entry in list(listing):
+            if not (entry.name.startswith(".") and WORK_INFIX in entry.name and entry.is_dir(follow_symlinks=False)):
+                continue
+            work = Path(entry.path)
+            owner = _read_json(work / _OWNER_FILE)
+            name = owner.get("target") if isinstance(owner, dict) else None
+            if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+                continue
+            if _owner_gone(owner):
+                _abandon(work, work.parent / name)
+                removed.append(work)
+    return removed
+
+
+def _abandon(work: Path, target: Path) -> None:
+    """Delete a work folder, after putting back the target it replaced (kept there if that place is taken)."""
+    replaced = work / _WORK_REPLACED
+    if os.path.lexists(replaced):
+        try:
+            os.rename(replaced, target)
+        except OSError:
+            _remove(work / _WORK_OUTPUT)
+            _remove(work / _OWNER_FILE)  # no longer a work folder: nothing will remove what it keeps
+            return
+    _remove(work)
+
+
+def _work_name(name: str) -> str:
+    """``.<name>.specmerge-tmp-<hex>``, ``name`` cut to fit the file-name limit."""
+    suffix = f"{WORK_INFIX}{secrets.token_hex(4)}"
+    room = _NAME_MAX - 1 - len(suffix)
+    stem = name.encode("utf-8", "surrogateescape")[:room].decode("utf-8", "ignore")
+    return f".{stem}{suffix}"
+
+
+def _output_os_error(err: BaseException, work: Path, target: Path, expected_bytes: int | None) -> OutputError | None:
+    """An OS error raised while writing an output, restated for ``target`` (None: not about the output)."""
+    if not isinstance(err, OSError) or isinstance(err, SpecmergeError):
+        return None
+    if err.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        what = "no space left on the device" if err.errno == errno.ENOSPC else "disk quota exceeded"
+        needs = f"the output needs about {_size_text(expected_bytes)}" if expected_bytes else "the output did not fit"
+        free = ""
+        with contextlib.suppress(OSError):
+            free = f" and {_size_text(shutil.disk_usage(target.parent).free)} is free"
+        return OutputError(
+            f"{what} while writing {target}: {needs}{free} in {target.parent}; free some space or choose another "
+            "output folder"
+        )
+    for name in (err.filename, err.filename2):
+        if isinstance(name, str | bytes | os.PathLike):
+            path = Path(os.path.abspath(os.fsdecode(name)))
+            if path == work or work in path.parents:
+                inside = path.relative_to(work)
+                shown = target.joinpath(*inside.parts[1:]) if inside.parts[:1] == (_WORK_OUTPUT,) else target
+                return OutputError(f"cannot write {shown}: {err.strerror or err}")
+    return None
+
+
+def _size_text(nbytes: int) -> str:
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def _this_process() -> dict[str, object]:
+    """What tells this process from any other, now and after a pid is reused or the machine rebooted."""
+    stat = _proc_stat(os.getpid())
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": stat[1] if stat else None,
+        "boot": _read_text("/proc/sys/kernel/random/boot_id"),
+        "pid_namespace": _pid_namespace(),
+    }
+
+
+def _owner_gone(owner: dict) -> bool:
+    """Whether the process recorded in a work folder's owner file has certainly exited (False when unsure)."""
+    if os.name != "posix":
+        return False  # no signal-0 probe; never guess
+    me = _this_process()
+    if owner.get("host") != me["host"] or owner.get("pid_namespace") != me["pid_namespace"]:
+        return False  # another machine or container: its processes cannot be seen from here
+    if owner.get("boot") and me["boot"] and owner["boot"] != me["boot"]:
+        return True  # written before this machine last booted
+    pid = owner.get("pid")
+    if type(pid) is not int or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass  # it exists, owned by another user
+    stat = _proc_stat(pid)
+    if stat is None:
+        return False  # no /proc: a reused pid cannot be told from the owner
+    state, started = stat
+    return state in ("Z", "X") or (owner.get("started") is not None and started != owner["started"])
+
+
+def _proc_stat(pid: int) -> tuple[str, str] | None:
+    """A process's state letter and start time (clock ticks after boot) from ``/proc/<pid>/stat`` (Linux)."""
+    text = _read_text(f"/proc/{pid}/stat")
+    fields = text.rsplit(")", 1)[-1].split() if text else []
+    return (fields[0], fields[19]) if len(fields) > 19 else None
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
 
 
 def _remove(path: Path) -> None:
@@ -401,21 +730,94 @@ def _remove(path: Path) -> None:
             path.unlink(missing_ok=True)
 
 
-def copy_model_files(base_dir: str | os.PathLike, out_dir: str | os.PathLike) -> list[str]:
-    """Copy the non-weight files of a Hugging Face folder (config, tokenizer, processor, remote code); return names.
+def write_output_config(out_dir: str | os.PathLike, weights: Iterable[TensorInfo]) -> str | None:
+    """Make ``out_dir/config.json`` state the dtype the weights were written in; return it (None: nothing to do).
 
-    Only top-level files are copied; weights, indexes, README.md and subfolders are not. A single-file base
-    copies nothing.
+    The dtype is that of most of the floating-point weights, by element count (of all of them when the output
+    was cast to one dtype). It goes in ``torch_dtype`` (read by every transformers version) and in ``dtype``
+    where the config has that newer key, so that ``from_pretrained(out, dtype="auto")`` loads the weights as
+    written. When all floating weights share the dtype, nested sub-model configs that state a dtype say it
+    too. The file is rewritten only if this changes it; a missing config, or one that is not a JSON object, is
+    left as it is.
     """
-    base_dir, out_dir = Path(base_dir), Path(out_dir)
+    counts: dict[torch.dtype, int] = {}
+    for info in weights:
+        if info.dtype.is_floating_point:
+            counts[info.dtype] = counts.get(info.dtype, 0) + math.prod(info.shape)
+    path = Path(out_dir) / "config.json"
+    config = _read_json(path)
+    if not counts or not isinstance(config, dict):
+        return None
+    name = str(max(counts, key=counts.__getitem__)).removeprefix("torch.")
+    stated = _state_dtype(config, name, nested=len(counts) == 1)
+    stated["torch_dtype"] = name
+    if stated != config:
+        _write_json(path, stated, indent=2)
+    return name
+
+
+def _state_dtype(config: dict, name: str, nested: bool) -> dict:
+    """A copy of ``config`` whose ``torch_dtype`` / ``dtype`` keys (and, if ``nested``, those of sub-configs) say
+    ``name``."""
+    stated = {}
+    for key, value in config.items():
+        if key in ("torch_dtype", "dtype") and (value is None or isinstance(value, str)):
+            value = name
+        elif nested and isinstance(value, dict):
+            value = _state_dtype(value, name, nested)
+        stated[key] = value
+    return stated
+
+
+def model_files(base_dir: str | os.PathLike) -> dict[str, Path]:
+    """The non-weight files of a Hugging Face folder that a merged model needs: name -> real path, by name.
+
+    Top-level files whose names match ``MODEL_FILE_PATTERNS`` (config, tokenizer, processor, remote code);
+    weights, indexes, README.md and subfolders are left out. Each is checked by
+    :func:`specmerge.sources.folder_file`: a link that leads outside the folder (other than into its Hugging Face
+    cache ``blobs/``), a dangling link or anything but a regular file raises SourceError naming the link and its
+    target. A single-file base has none.
+    """
+    base_dir = Path(base_dir)
     if not base_dir.is_dir():
-        return []
-    copied = []
-    for path in sorted(base_dir.iterdir()):
-        name = path.name
-        if not path.is_file() or any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS):
+        return {}
+    try:
+        names = sorted(os.listdir(base_dir))
+    except OSError as err:
+        raise SourceError(f"{base_dir}: cannot list the folder ({err.strerror or err})") from None
+    files = {}
+    for name in names:
+        path = base_dir / name
+        if any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS):
             continue
-        if any(fnmatch.fnmatch(name, p) for p in MODEL_FILE_PATTERNS):
-            shutil.copyfile(path, out_dir / name)
-            copied.append(name)
-    return copied
+        if not any(fnmatch.fnmatch(name, p) for p in MODEL_FILE_PATTERNS) or (path.is_dir() and not path.is_symlink()):
+            continue
+        files[name] = folder_file(path, base_dir)
+    return files
+
+
+def copy_model_files(base_dir: str | os.PathLike, out_dir: str | os.PathLike) -> list[str]:
+    """Copy :func:`model_files` of ``base_dir`` into ``out_dir`` as new files; return their names.
+
+    The copies are created with mode 0644 (less under the umask), whatever the source's mode: no execute,
+    setuid or group/other write bit is carried over. A file that has become anything but a regular file since
+    it was checked is refused.
+    """
+    out_dir = Path(out_dir)
+    files = model_files(base_dir)
+    for name, real in files.items():
+        _copy_regular_file(Path(base_dir) / name, real, out_dir / name)
+    return list(files)
+
+
+def _copy_regular_file(shown: Path, real: Path, target: Path) -> None:
+    try:
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as err:
+        raise SourceError(f"{shown}: cannot be read ({err.strerror or err})") from None
+    with open(fd, "rb") as source:
+        if not S_ISREG(os.fstat(fd).st_mode):
+            raise SourceError(f"{shown} is not a regular file; specmerge copies only files")
+        out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with open(out, "wb") as copy:
+            shutil.copyfileobj(source, copy, 2**20)
