@@ -15,8 +15,8 @@ every 2-D weight), then times ``specmerge merge`` of the four experts, each job 
   (a float32 matrix-product loop with torch's own default threads, one per core), started a second
   before the job and stopped after it.
 
-Jobs are interleaved within a round (every method x load x setting once, in that order, then the next
-round), an untimed ``sync`` precedes each job, and the table gives medians over the rounds and the ratio
+Jobs are interleaved within a round (every method x load x setting once, the settings' order rotated by
+one each round so that none always runs first, then the next round), an untimed ``sync`` precedes each job, and the table gives medians over the rounds and the ratio
 of the default's median to the best setting's median for each method and load.
 """
 
@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(args.rounds):
         for method in args.methods:
             for load in args.loads:
-                for setting in args.settings:
+                shift = round_ % len(args.settings)  # rotated each round: no setting always runs first
+                for setting in args.settings[shift:] + args.settings[:shift]:
                     competitor = start_load(load)
                     try:
                         row = run_job(args.models, out, method, setting, args.timeout)
