@@ -16,8 +16,9 @@ every 2-D weight), then times ``specmerge merge`` of the four experts, each job 
   before the job and stopped after it.
 
 Jobs are interleaved within a round (every method x load x setting once, the settings' order rotated by
-one each round so that none always runs first, then the next round), an untimed ``sync`` precedes each job, and the table gives medians over the rounds and the ratio
-of the default's median to the best setting's median for each method and load.
+one each round so that none always runs first, then the next round), an untimed ``sync`` precedes each job,
+and the table gives medians over the rounds and the ratio of the default's median to the best setting's
+median for each method and load.
 """
 
 from __future__ import annotations
