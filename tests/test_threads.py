@@ -45,16 +45,19 @@ def llama(tmp_path_factory):
     ("state", "expected"),
     [
         (CpuState(affinity=1), 1),
-        (CpuState(affinity=2), 1),  # one CPU left to the reader and writer threads
-        (CpuState(affinity=2, busy=1.0), 1),
-        (CpuState(affinity=3), 2),
+        (CpuState(affinity=2), 2),  # idle: a second compute thread beats a CPU left to reading and writing
+        (CpuState(affinity=2, busy=0.0), 2),
+        (CpuState(affinity=2, busy=1.0), 1),  # another CPU-bound process: one thread, no collapse
+        (CpuState(affinity=2, busy=2.0), 1),
+        (CpuState(affinity=3), 2),  # one CPU left to the reader and writer threads
+        (CpuState(affinity=4, busy=1.0), 2),
         (CpuState(affinity=16, busy=0.0), 15),
         (CpuState(affinity=16, busy=0.3), 15),  # a little background work: rounded away
         (CpuState(affinity=16, busy=1.0), 14),  # another CPU-bound process
         (CpuState(affinity=16, busy=2.6), 12),
         (CpuState(affinity=16, busy=16.0), 1),  # never below one
         (CpuState(affinity=64, quota=4.0), 3),  # the cgroup quota, not the host's CPUs
-        (CpuState(affinity=64, quota=2.5), 1),  # rounded down: 3 threads would be throttled
+        (CpuState(affinity=64, quota=2.5), 2),  # rounded down: 3 threads would be throttled
         (CpuState(affinity=64, quota=0.5), 1),
         (CpuState(affinity=8, quota=32.0), 7),  # a quota above the affinity mask changes nothing
         (CpuState(affinity=32, torch_default=16), 16),  # never more than torch's own (physical cores)
@@ -65,9 +68,10 @@ def test_default_threads(state, expected):
 
 
 def test_busy_cpus_are_sampled_only_where_they_can_change_the_answer():
-    assert not CpuState(affinity=2).needs_busy
-    assert not CpuState(affinity=64, quota=2.0).needs_busy
-    assert CpuState(affinity=3).needs_busy
+    assert not CpuState(affinity=1).needs_busy
+    assert not CpuState(affinity=64, quota=1.5).needs_busy
+    assert CpuState(affinity=2).needs_busy
+    assert CpuState(affinity=64, quota=2.0).needs_busy
 
 
 STAT = """cpu  900 0 300 5000 40 0 10 0 0 0
@@ -136,9 +140,14 @@ def test_read_cpu_state_from_injected_files(tmp_path):
     _write(proc / "self" / "cgroup", "0::/job\n")
     _write(root / "job" / "cpu.max", "200000 100000\n")
     _write(proc / "stat", STAT.format(a=1, b=1, ia=1, ib=1, steal=0))
+    _write(root / "job" / "cpu.max", "150000 100000\n")
     state = threads.read_cpu_state(proc=proc, cgroup_root=root, affinity=range(8), window=0.0)
-    assert (state.affinity, state.quota, state.usable, state.busy) == (8, 2.0, 2, None)  # 2 CPUs: not sampled
+    assert (state.affinity, state.quota, state.usable, state.busy) == (8, 1.5, 1, None)  # 1 CPU: not sampled
     assert default_threads(state) == 1
+    _write(root / "job" / "cpu.max", "200000 100000\n")
+    state = threads.read_cpu_state(proc=proc, cgroup_root=root, affinity=range(8), window=0.0)
+    assert (state.usable, state.busy) == (2, 0.0)  # 2 CPUs: sampled, nothing busy in the unchanged file
+    assert default_threads(state) == min(2, state.torch_default)
     _write(root / "job" / "cpu.max", "max 100000\n")
     state = threads.read_cpu_state(proc=proc, cgroup_root=root, affinity=range(8), window=0.0)
     assert (state.usable, state.busy) == (8, 0.0)  # sampled (nothing changed in the file: 0 busy)

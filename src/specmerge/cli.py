@@ -217,7 +217,7 @@ def _add_threads_argument(p: argparse.ArgumentParser) -> None:
         "--threads",
         metavar="N",
         help="compute with N threads (default: the CPUs this process may use, less those other processes keep "
-        "busy, less one for reading and writing; OMP_NUM_THREADS if set)",
+        "busy, less one for reading and writing when two or more remain; OMP_NUM_THREADS if set)",
     )
 
 

@@ -15,9 +15,11 @@ The count, in order of precedence:
    after specmerge was imported: torch's current count, untouched.
 3. Otherwise the default: the CPUs this process may use (its affinity mask, and the cgroup's CPU quota,
    ``cpu.max`` or ``cpu.cfs_quota_us``, rounded down), less the CPUs other processes keep busy when the
-   work starts (sampled from ``/proc/stat`` for 50 ms, only where it can change the answer), less one CPU
-   for specmerge's reader, writer and fsync threads; at least 1, at most torch's own default (physical
-   cores). On 2 CPUs that is 1 thread: measured, it costs little where idle and avoids the collapse.
+   work starts (sampled from ``/proc/stat`` for 50 ms wherever more than one CPU is usable), less one CPU
+   for specmerge's reader, writer and fsync threads when that still leaves two or more; at least 1, at
+   most torch's own default (physical cores). On an idle 2-CPU machine that is 2 threads (a compute-bound
+   SWUDI-A merge takes half the time of 1 thread, linear merges the same), and 1 when another process
+   keeps a CPU busy (BENCHMARKS.md, issue 13).
 
 :func:`merge_threads` applies the count for the duration of one merge and restores torch's previous count
 afterwards, also on error (torch's setting is per process: a library call must not leave it changed). The
@@ -73,14 +75,19 @@ class CpuState:
 
     @property
     def needs_busy(self) -> bool:
-        """Whether other processes' CPU use can change :func:`default_threads` (not on 1-2 usable CPUs)."""
-        return self.usable - IO_CPUS > 1
+        """Whether other processes' CPU use can change :func:`default_threads` (not on 1 usable CPU)."""
+        return self.usable > 1
 
 
 def default_threads(state: CpuState) -> int:
-    """Usable CPUs, less those busy with other work (rounded), less IO_CPUS; at least 1, at most torch's default."""
-    free = state.usable - (math.floor(state.busy + 0.5) if state.busy else 0)
-    threads = max(1, free - IO_CPUS)
+    """Usable CPUs, less those busy with other work (rounded), less IO_CPUS when at least two remain; at least 1,
+    at most torch's default.
+
+    The reader and writer threads mostly wait on the disk and page faults: on 2 free CPUs a second compute
+    thread gains more (2x on a SWUDI-A merge) than the CPU left to them would; from 3 free CPUs one is left.
+    """
+    free = max(1, state.usable - (math.floor(state.busy + 0.5) if state.busy else 0))
+    threads = free - IO_CPUS if free - IO_CPUS >= 2 else free
     if state.torch_default is not None:
         threads = min(threads, max(1, state.torch_default))
     return threads
