@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import time
@@ -134,8 +133,8 @@ def run_recipe(
         plan = make_plan(recipe, base.infos(), [e.infos() for e in experts], list(recipe.experts), transposed)
         if recipe.output_format == "lora":
             _check_lora_output(recipe, plan, experts)
-        size = sum(math.prod(p.shape) * p.out_dtype.itemsize for p in plan)  # a full disk's message says it
-        size = size if recipe.output_format == "model" else None
+        summary = summarize(plan)  # its output bytes go into a full disk's message
+        size = summary["bytes"] if recipe.output_format == "model" else None
         with atomic_directory(output, overwrite=overwrite, expected_bytes=size) as folder:
             if recipe.output_format == "lora":
                 reports, extra = _write_adapter(recipe, plan, experts, folder, device, compute_dtype, progress)
@@ -156,7 +155,7 @@ def run_recipe(
                 "host": platform.node(),
                 "seconds": round(time.perf_counter() - started, 3),
                 "files": sorted([p.name for p in folder.iterdir()] + ["recipe.yaml", "report.json", "README.md"]),
-                "summary": summarize(plan),
+                "summary": summary,
                 **extra,
                 "tensors": [asdict(r) for r in reports],
             }
