@@ -38,7 +38,9 @@ from pathlib import Path
 
 import torch
 
-from specmerge import api, baselines, executor, sources, writer
+from specmerge.io import sources, writer
+from specmerge.methods import baselines
+from specmerge.pipeline import api, executor
 
 
 def _no_maps(*args: object) -> torch.Tensor:
@@ -133,8 +135,8 @@ def time_finite_check(models: Path, repeats: int) -> None:
     each keeps its fastest time (the least disturbed by other processes). Printed: the sums of those minima
     over the model, their ratio, and the median of the per-tensor ratios.
     """
-    from specmerge.plan import make_plan
-    from specmerge.recipe import Recipe
+    from specmerge.pipeline.plan import make_plan
+    from specmerge.pipeline.recipe import Recipe
 
     recipe = Recipe(base=str(models / "base"), experts=[str(models / f"expert{i}") for i in range(4)],
                     method="task_arithmetic", params={"scale": 0.3}, dtype="float16")  # fmt: skip

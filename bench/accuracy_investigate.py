@@ -19,9 +19,9 @@ import argparse
 import statistics
 from pathlib import Path
 
-from specmerge.accuracy import model as accuracy_model
-from specmerge.accuracy.bench import SCALES, load_experts, load_scoring
-from specmerge.accuracy.merging import Candidate, merge_candidates
+from specmerge_bench.accuracy import model as accuracy_model
+from specmerge_bench.accuracy.bench import SCALES, load_experts, load_scoring
+from specmerge_bench.accuracy.merging import Candidate, merge_candidates
 
 BEYOND = (1.0, 1.25, 1.5, 2.0)
 SCALE_PROBES = [

@@ -62,8 +62,8 @@ def routes(repeats: int = 3) -> None:
     """CPU seconds (process time, one thread, median of ``repeats`` after a warm-up) of the wide-layer routes."""
     import time
 
-    from specmerge.spectral import normal_equation
-    from specmerge.speed import cpu_name, synthetic_stack
+    from specmerge.methods.spectral import normal_equation
+    from specmerge_bench.speed import cpu_name, synthetic_stack
 
     torch.set_num_threads(1)
 
@@ -104,7 +104,7 @@ def _eigh_gram(eq) -> torch.Tensor:
 
 
 def _decompose(eq) -> torch.Tensor:
-    from specmerge.spectral import decompose
+    from specmerge.methods.spectral import decompose
 
     spectrum = decompose(eq)
     return spectrum.vectors if hasattr(spectrum, "vectors") else spectrum.eigenvectors  # older versions
@@ -112,7 +112,7 @@ def _decompose(eq) -> torch.Tensor:
 
 def _layer_times(seconds) -> None:
     """CPU seconds of whole spectral merges per layer (also runs on older versions, for before/after)."""
-    from specmerge.speed import synthetic_stack
+    from specmerge_bench.speed import synthetic_stack
 
     print("\n| layer (float32) | swudi_a (psqrt) | swudi | closed_form |")
     print("|---|---:|---:|---:|")

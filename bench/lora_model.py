@@ -33,7 +33,7 @@ def generate(models: Path, adapters: int, rank: int) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from specmerge.sources import open_source
+    from specmerge.io.sources import open_source
 
     with open_source(models / "base") as base:
         layers = {n: i.shape for n, i in base.infos().items() if n.rsplit(".", 2)[-2] in TARGETS}
@@ -60,7 +60,7 @@ def adapters_of(models: Path) -> list[Path]:
 def measure_merge(models: Path, out: Path, method: str, output_format: str) -> dict:
     import torch
 
-    from specmerge.api import merge
+    from specmerge.pipeline.api import merge
 
     torch.ones(8) @ torch.ones(8)
     start = time.perf_counter()
@@ -76,10 +76,10 @@ def measure_layers(models: Path, method: str) -> dict:
     """Factored vs densified method calls on every adapted layer; compute only (factors read beforehand)."""
     import torch
 
-    from specmerge.adapters import AdapterExpert, open_adapter
-    from specmerge.lora import merge_factored
-    from specmerge.registry import get_method
-    from specmerge.sources import open_source
+    from specmerge.io.adapters import AdapterExpert, open_adapter
+    from specmerge.io.sources import open_source
+    from specmerge.linalg.lowrank import merge_factored
+    from specmerge.methods.registry import get_method
 
     torch.ones(8) @ torch.ones(8)
     with open_source(models / "base") as base:

@@ -3,7 +3,7 @@
     python bench/lora_speed.py            # 5 rank-8 experts, float32, CPU; median of --repeats runs
 
 Dense = the registry method on the stack of B_i A_i (d_out x d_in each, formed inside the timing);
-factored = ``specmerge.lora.merge_factored`` on the factors, whose result is checked against the
+factored = ``specmerge.linalg.lowrank.merge_factored`` on the factors, whose result is checked against the
 dense one (relative error printed).
 """
 
@@ -16,7 +16,7 @@ import time
 import torch
 
 from specmerge import get_method
-from specmerge.lora import LoraDelta, merge_factored
+from specmerge.linalg.lowrank import LoraDelta, merge_factored
 
 SHAPES = [("q_proj", 4096, 4096), ("up_proj", 11008, 4096), ("down_proj", 4096, 11008)]
 

@@ -87,8 +87,8 @@ def generate(models: Path, experts: int) -> None:
     import torch
     import transformers
 
-    from specmerge.sources import TensorInfo
-    from specmerge.writer import ShardWriter
+    from specmerge.io.sources import TensorInfo
+    from specmerge.io.writer import ShardWriter
 
     config = transformers.LlamaConfig(**MODEL, torch_dtype="float16", architectures=["LlamaForCausalLM"])
     with torch.device("meta"):
@@ -124,7 +124,7 @@ def generate(models: Path, experts: int) -> None:
 def measure_merge(models: Path, out: Path, method: str) -> dict:
     import torch
 
-    from specmerge.api import merge
+    from specmerge.pipeline.api import merge
 
     torch.ones(8) @ torch.ones(8)  # thread pools and allocator up before the baseline
     experts = sorted(p for p in models.iterdir() if p.name.startswith("expert"))
@@ -163,7 +163,7 @@ def workspace_bytes(models: Path) -> tuple[str, int]:
     delta), and 4 d_in^2 float32 for C, its eigenvectors and eigh's work arrays. Averaged tensors
     (embeddings, lm_head) are processed in 64 MiB row blocks and stay below this.
     """
-    from specmerge.sources import open_source
+    from specmerge.io.sources import open_source
 
     n = sum(1 for p in models.iterdir() if p.name.startswith("expert"))
     best = ("", 0)

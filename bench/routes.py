@@ -4,7 +4,7 @@
     python bench/routes.py --device cuda
 
 Each row times an alternative ("before") against the route specmerge takes ("after") on the same
-synthetic layer (``specmerge.speed.synthetic_stack``), median of ``--repeats`` after a warm-up, and
+synthetic layer (``specmerge_bench.speed.synthetic_stack``), median of ``--repeats`` after a warm-up, and
 reports the largest relative difference between the two results (they are the same quantity):
 
 1. eigen route when N d_out < d_in: eigh of the (N d_out)^2 Gram M M^T (then q_k = M^T u_k / sigma_k)
@@ -24,9 +24,9 @@ from collections.abc import Callable
 import scipy.linalg
 import torch
 
-from specmerge.registry import get_method
-from specmerge.spectral import choose_rank, decompose, filtered_solve, initial_point, normal_equation
-from specmerge.speed import cpu_name, median_seconds, synthetic_stack
+from specmerge.methods.registry import get_method
+from specmerge.methods.spectral import choose_rank, decompose, filtered_solve, initial_point, normal_equation
+from specmerge_bench.speed import cpu_name, median_seconds, synthetic_stack
 
 
 def median(fn: Callable[[], object], repeats: int, device: torch.device) -> tuple[float, object]:

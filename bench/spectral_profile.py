@@ -18,9 +18,16 @@ import numpy as np
 import scipy.linalg
 import torch
 
-from specmerge.filters import TopK
-from specmerge.spectral import choose_rank, decompose, filtered_solve, initial_point, nonzero_experts, normal_equation
-from specmerge.speed import synthetic_stack
+from specmerge.linalg.filters import TopK
+from specmerge.methods.spectral import (
+    choose_rank,
+    decompose,
+    filtered_solve,
+    initial_point,
+    nonzero_experts,
+    normal_equation,
+)
+from specmerge_bench.speed import synthetic_stack
 
 SHAPES = [(768, 768), (3072, 768), (768, 3072)]
 

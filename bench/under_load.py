@@ -68,8 +68,8 @@ def generate(models: Path, experts: int = EXPERTS) -> None:
     import torch
     import transformers
 
-    from specmerge.sources import TensorInfo
-    from specmerge.writer import ShardWriter
+    from specmerge.io.sources import TensorInfo
+    from specmerge.io.writer import ShardWriter
 
     def seed(*parts: object) -> int:
         digest = hashlib.blake2b("\0".join(map(str, parts)).encode(), digest_size=8).digest()

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from specmerge.rank_rules import gavish_donoho_omega
+from specmerge.linalg.rank_rules import gavish_donoho_omega
 
 
 def normal_equation(tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,8 +2,8 @@
 
 import json
 
-from specmerge.accuracy import bench
-from specmerge.accuracy import model as accuracy_model
+from specmerge_bench.accuracy import bench
+from specmerge_bench.accuracy import model as accuracy_model
 from test_accuracy_model import tiny_model_dir, world  # noqa: F401  (fixtures)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import specmerge.accuracy.data as acc
+import specmerge_bench.accuracy.data as acc
 
 # Per class: 1 test, 1 val, 4 train for 12 classes; 3 / 3 / 12 for 4 classes; 1 / 1 / 6 for 8 classes.
 TINY = acc.SplitSizes(test=12, val=12, max_train=48, min_train=0)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specmerge import get_method, methods
-from specmerge.accuracy.merging import Candidate, merge_candidates, wudi_snapshots
-from specmerge.api import merge
+from specmerge import all_methods, get_method
+from specmerge.pipeline.api import merge
+from specmerge_bench.accuracy.merging import Candidate, merge_candidates, wudi_snapshots
 from tiny_models import build_family
 
 KEYS = ["e0", "e1", "e2"]
@@ -52,7 +52,7 @@ def test_wudi_snapshots_equal_separate_runs():
         torch.testing.assert_close(snapshots[steps], get_method("wudi")(tau, steps=steps, lr=1e-3).delta)
 
 
-@pytest.mark.parametrize("name", sorted(methods()))
+@pytest.mark.parametrize("name", sorted(all_methods()))
 def test_every_method_is_linear_in_its_scale(name):
     """What lets one delta per candidate serve the whole scale grid."""
     tau = torch.randn(3, 10, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -66,7 +66,7 @@ def test_every_method_is_linear_in_its_scale(name):
 
 
 def test_selection_uses_val_only_and_scores_are_cached(bert, tmp_path, monkeypatch):
-    from specmerge.accuracy import bench
+    from specmerge_bench.accuracy import bench
 
     _, _, base, experts = bert
     monkeypatch.setattr(bench, "SWUDI_R", (0.5, 0.8))

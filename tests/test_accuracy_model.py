@@ -9,8 +9,8 @@ import tokenizers
 import torch
 import transformers
 
-import specmerge.accuracy.data as data
-import specmerge.accuracy.model as am
+import specmerge_bench.accuracy.data as data
+import specmerge_bench.accuracy.model as am
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 FILLER = ["the", "a", "of", "and", "to", "in", "is", "it", "on", "with", "for", "as", "by", "at"]

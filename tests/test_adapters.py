@@ -8,9 +8,9 @@ import torch
 import transformers
 
 from specmerge import get_method
-from specmerge.adapters import AdapterError, is_adapter, open_adapter
-from specmerge.lora import merge_factored
-from specmerge.sources import open_source
+from specmerge.io.adapters import AdapterError, is_adapter, open_adapter
+from specmerge.io.sources import open_source
+from specmerge.linalg.lowrank import merge_factored
 
 
 def tiny_llama(seed=0, hidden=32):
@@ -103,7 +103,7 @@ def test_factored_merge_of_adapters_equals_dense_merge_of_merged_models(tmp_path
 
 
 def _info(name, tensor):
-    from specmerge.sources import TensorInfo
+    from specmerge.io.sources import TensorInfo
 
     return TensorInfo(name, tuple(tensor.shape), tensor.dtype)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import specmerge
-from specmerge.baselines import (
+from specmerge.methods.baselines import (
     dare,
     dare_mask,
     dare_task_arithmetic,
@@ -437,7 +437,7 @@ def test_disjoint_mean_matches_its_definition():
 
 @pytest.mark.parametrize("density", [0.2, 0.5, 1.0])
 def test_chunked_ties_equals_the_whole_tensor_steps(density, monkeypatch):
-    import specmerge.baselines as baselines
+    import specmerge.methods.baselines as baselines
 
     monkeypatch.setattr(baselines, "TIES_CHUNK", 100)  # many chunks, a ragged last one, ties across chunks
     g = torch.Generator().manual_seed(2)

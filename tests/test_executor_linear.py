@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from specmerge import executor
-from specmerge.plan import TensorPlan
-from specmerge.registry import get_method
+from specmerge.methods.registry import get_method
+from specmerge.pipeline import executor
+from specmerge.pipeline.plan import TensorPlan
 
 
 def plan(action, method, params, shape, out_dtype):

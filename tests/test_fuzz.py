@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from specmerge.adapters import open_adapter
 from specmerge.errors import SpecmergeError
-from specmerge.recipe import Recipe, load_recipe
-from specmerge.sources import open_source
+from specmerge.io.adapters import open_adapter
+from specmerge.io.sources import open_source
+from specmerge.pipeline.recipe import Recipe, load_recipe
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

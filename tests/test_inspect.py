@@ -13,11 +13,12 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from conftest import low_rank_plus_noise
-from specmerge import diagnostics, get_method
+from specmerge import get_method
 from specmerge.cli import main
-from specmerge.filters import Landweber, TopK
-from specmerge.inspect_report import parse_method_spec
-from specmerge.spectral import Spectrum, decompose, filtered_solve, initial_point, normal_equation
+from specmerge.diagnostics import statistics as diagnostics
+from specmerge.diagnostics.inspect import parse_method_spec
+from specmerge.linalg.filters import Landweber, TopK
+from specmerge.methods.spectral import Spectrum, decompose, filtered_solve, initial_point, normal_equation
 from tiny_models import build_family
 
 
@@ -194,7 +195,7 @@ def test_exponential_fit_recovers_t_and_adam_is_not_exactly_a_filter(problem):
 
 def test_factored_problem_equals_dense_problem():
     """A LoRA layer's filter problem built from cores (no d_in x d_in matrix) gives the dense problem's filter."""
-    from specmerge.lora import LoraDelta, factor_cores
+    from specmerge.linalg.lowrank import LoraDelta, factor_cores
 
     g = torch.Generator().manual_seed(3)
     deltas = [LoraDelta(torch.randn(14, r, generator=g), torch.randn(r, 30, generator=g), 0.5) for r in (2, 3, 4)]

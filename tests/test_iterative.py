@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import specmerge
-from specmerge.filters import Landweber
-from specmerge.iterative import (
+from specmerge.linalg.filters import Landweber
+from specmerge.methods.iterative import (
     autograd_gradient,
     descend,
     optmerge,
@@ -22,7 +22,7 @@ from specmerge.iterative import (
     wudi,
     wudi_reference,
 )
-from specmerge.spectral import decompose, filtered_solve, initial_point, nonzero_experts, normal_equation
+from specmerge.methods.spectral import decompose, filtered_solve, initial_point, nonzero_experts, normal_equation
 
 METHODS = ["wudi", "wudi_reference", "optmerge", "optmerge_lora"]
 FULL_RANK = (3, 12, 16)  # N d_out = 36 >= d_in: C is 16 x 16 of full rank

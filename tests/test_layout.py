@@ -16,10 +16,8 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from specmerge.api import merge
-from specmerge.executor import merged_delta
-from specmerge.inspect_report import inspect_model
-from specmerge.layout import (
+from specmerge.diagnostics.inspect import inspect_model
+from specmerge.io.layout import (
     CONV1D_LAYOUT,
     LayoutError,
     conv1d_modules,
@@ -27,10 +25,12 @@ from specmerge.layout import (
     transpose_item,
     transposed_weights,
 )
-from specmerge.lora import LoraDelta
-from specmerge.plan import TensorPlan
-from specmerge.registry import get_method
-from specmerge.sources import TensorInfo
+from specmerge.io.sources import TensorInfo
+from specmerge.linalg.lowrank import LoraDelta
+from specmerge.methods.registry import get_method
+from specmerge.pipeline.api import merge
+from specmerge.pipeline.executor import merged_delta
+from specmerge.pipeline.plan import TensorPlan
 
 EPS = torch.finfo(torch.float64).eps
 MATRIX_METHODS = ("swudi_a", "swudi", "closed_form", "tsv_m", "iso_c")

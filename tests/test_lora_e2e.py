@@ -10,8 +10,8 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from specmerge.api import merge
 from specmerge.cli import main
+from specmerge.pipeline.api import merge
 from tiny_models import build_family
 
 KEYS = ["a0", "a1", "a2"]

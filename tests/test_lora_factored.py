@@ -16,8 +16,8 @@ import torch
 
 from float32_sweep import BACKWARD_ERROR, first_order_error
 from specmerge import get_method
-from specmerge.baselines import singular_value_floor, tsv_rank
-from specmerge.lora import LoraDelta, factor_cores, merge_factored
+from specmerge.linalg.lowrank import LoraDelta, factor_cores, merge_factored
+from specmerge.methods.baselines import singular_value_floor, tsv_rank
 
 SPECTRAL = [
     ("swudi", {}),
@@ -155,7 +155,7 @@ def test_methods_without_a_factored_form_say_so():
 @pytest.mark.parametrize(("n", "r", "d_out", "d_in", "rslora"), CASES)
 def test_factored_spectrum_is_the_dense_spectrum(n, r, d_out, d_in, rslora):
     """Every eigenvalue of C (the non-zero ones and the count of zeros), in float64."""
-    from specmerge.spectral import decompose, normal_equation
+    from specmerge.methods.spectral import decompose, normal_equation
 
     experts = adapters(n, r, d_out, d_in, rslora, torch.float64, seed=2)
     dense = decompose(normal_equation(torch.stack([e.dense() for e in experts])))

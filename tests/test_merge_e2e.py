@@ -9,9 +9,9 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from specmerge import get_method, methods
-from specmerge.api import merge
+from specmerge import all_methods, get_method
 from specmerge.cli import main
+from specmerge.pipeline.api import merge
 from tiny_models import ARCHITECTURES, build_family, dummy_inputs
 
 KEYS = ["math", "code", "chat"]
@@ -51,7 +51,7 @@ def expected_tensor(row: dict, base: dict, experts: list[dict], params: dict) ->
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("method", sorted(methods()))
+@pytest.mark.parametrize("method", sorted(all_methods()))
 def test_merge_every_method_golden_and_loadable(families, tmp_path, arch, method):
     base_dir, expert_dirs = families[arch]
     out = tmp_path / "merged"
@@ -151,7 +151,7 @@ def test_output_may_not_overwrite_an_input(families, capsys):
 @pytest.mark.parametrize("method", ["swudi_a", "task_arithmetic", "ties"])
 def test_row_blocks_give_the_same_merge(families, tmp_path, monkeypatch, method):
     """Row-wise work (averages, TA) in blocks of a few rows equals the whole-tensor merge, byte for byte."""
-    import specmerge.executor as executor
+    import specmerge.pipeline.executor as executor
 
     base_dir, expert_dirs = families["llama"]
     whole = tmp_path / "whole"
@@ -169,13 +169,13 @@ def test_row_blocks_give_the_same_merge(families, tmp_path, monkeypatch, method)
 
 
 def _entry(action, shape):
-    from specmerge.plan import TensorPlan
+    from specmerge.pipeline.plan import TensorPlan
 
     return TensorPlan("x", shape, torch.float32, action, None, {}, "test")
 
 
 def test_sources_read_row_blocks(families):
-    from specmerge.sources import open_source
+    from specmerge.io.sources import open_source
 
     base_dir, _ = families["bert"]
     with open_source(base_dir) as source:
@@ -205,7 +205,7 @@ def test_tied_weights_stay_tied(tmp_path):
 
 
 def test_device_resolution():
-    from specmerge.executor import resolve_device
+    from specmerge.pipeline.executor import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")

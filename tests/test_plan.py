@@ -5,9 +5,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from specmerge.plan import PlanError, default_action, is_embedding, make_plan, summarize
-from specmerge.recipe import Recipe
-from specmerge.registry import get_method
+from specmerge.methods.registry import get_method
+from specmerge.pipeline.plan import PlanError, default_action, is_embedding, make_plan, summarize
+from specmerge.pipeline.recipe import Recipe
 
 F32, BF16, I64 = torch.float32, torch.bfloat16, torch.int64
 

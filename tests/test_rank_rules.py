@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy import integrate
 
-from specmerge.rank_rules import (
+from specmerge.linalg.rank_rules import (
     fixed_ratio_rank,
     gavish_donoho_omega,
     gavish_donoho_rank,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specmerge import LayerResult, get_method, methods, register
+from specmerge import LayerResult, all_methods, get_method, register
 from specmerge.cli import main
 
 EXPECTED = {
@@ -14,7 +14,7 @@ EXPECTED = {
 
 
 def test_every_method_is_registered_with_documented_parameters():
-    registry = methods()
+    registry = all_methods()
     assert set(registry) == EXPECTED
     for method in registry.values():
         assert method.summary and method.citation
@@ -60,7 +60,7 @@ def test_registration_requires_defaults_and_help():
 
     with pytest.raises(TypeError, match="no help text"):
         register("test_no_help", citation="none")(no_help)
-    assert "test_no_help" not in methods()
+    assert "test_no_help" not in all_methods()
 
 
 def test_matrix_methods_reject_non_matrix_stacks():
@@ -70,7 +70,7 @@ def test_matrix_methods_reject_non_matrix_stacks():
 
 def test_results_carry_diagnostics_from_the_same_call():
     tau = torch.randn(4, 10, 12)
-    for name, method in methods().items():
+    for name, method in all_methods().items():
         kwargs = {"steps": 3} if "steps" in {p.name for p in method.params} else {}
         result = method(tau, **kwargs)
         assert result.delta.shape == (10, 12), name

@@ -18,13 +18,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specmerge.adapters import open_adapter
-from specmerge.api import _refuse_output_inside_inputs, merge
 from specmerge.cli import main
 from specmerge.errors import SpecmergeError
-from specmerge.recipe import RecipeError
-from specmerge.sources import SourceError, open_source
-from specmerge.writer import copy_model_files
+from specmerge.io.adapters import open_adapter
+from specmerge.io.sources import SourceError, open_source
+from specmerge.io.writer import copy_model_files
+from specmerge.pipeline.api import _refuse_output_inside_inputs, merge
+from specmerge.pipeline.recipe import RecipeError
 
 FAST = {"method": "task_arithmetic", "progress": False, "fsync": False}
 
@@ -462,7 +462,7 @@ def test_permission_denied_is_not_reported_as_missing_or_corrupt(shared_dir, wha
 def test_safetensors_truncated_while_reading_names_file_and_tensor(tmp_path, monkeypatch, route):
     import mmap
 
-    import specmerge.sources as sources
+    import specmerge.io.sources as sources
 
     path = tmp_path / "w.safetensors"
     save_file({"a": torch.ones(8), "big": torch.ones(64 * 1024)}, path)
@@ -510,7 +510,7 @@ def test_pytorch_checkpoint_truncated_while_reading_is_named_not_a_crash(tmp_pat
     torch.save({"big": torch.ones(256 * 1024)}, path)
     code = (
         "import os, sys\n"
-        "from specmerge.sources import SourceError, open_source\n"
+        "from specmerge.io.sources import SourceError, open_source\n"
         f"source = open_source({str(path)!r}); source.infos()\n"
         f"os.truncate({str(path)!r}, 4096)\n"
         "try:\n    float(source.load('big').sum())\n"

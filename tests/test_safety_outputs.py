@@ -18,10 +18,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from specmerge.api import merge
 from specmerge.cli import main
-from specmerge.sources import TensorInfo
-from specmerge.writer import (
+from specmerge.io.sources import TensorInfo
+from specmerge.io.writer import (
     OUTPUT_MARKER,
     WORK_INFIX,
     OutputError,
@@ -32,6 +31,7 @@ from specmerge.writer import (
     remove_stale_work_folders,
     write_output_config,
 )
+from specmerge.pipeline.api import merge
 from tiny_models import build_family
 
 SHAPES = {f"blocks.{i}.proj.weight": (8, 6) for i in range(4)}
@@ -136,7 +136,7 @@ def test_overwrite_refuses_a_file_or_a_link(tmp_path):
 
 @pytest.mark.parametrize("where", ["cwd", "parent_of_cwd", "home"])
 def test_current_parent_and_home_folders_are_refused_before_any_work(tmp_path, monkeypatch, capsys, where):
-    import specmerge.api
+    import specmerge.pipeline.api
 
     base, experts = family(tmp_path)
     out = tmp_path / "out"
@@ -148,7 +148,7 @@ def test_current_parent_and_home_folders_are_refused_before_any_work(tmp_path, m
     else:
         monkeypatch.chdir(out / "sub" if where == "parent_of_cwd" else out)
         target = Path("..") if where == "parent_of_cwd" else Path(".")
-    monkeypatch.setattr(specmerge.api, "run_plan", lambda *a, **k: pytest.fail("the merge ran"))
+    monkeypatch.setattr(specmerge.pipeline.api, "run_plan", lambda *a, **k: pytest.fail("the merge ran"))
     assert cli_merge(base, experts, target, "--overwrite") == 2
     err = capsys.readouterr().err
     what = "your home folder" if where == "home" else "the current folder"
@@ -209,7 +209,7 @@ def test_an_unfinished_shard_has_no_header_and_never_loads(tmp_path):
 
 
 def owner(**fields) -> dict:
-    from specmerge.writer import _this_process
+    from specmerge.io.writer import _this_process
 
     return {**_this_process(), "target": "out", **fields}
 
@@ -252,7 +252,7 @@ BLOCKING_MERGE = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from specmerge.cli import main
-    from specmerge.registry import LayerResult, register
+    from specmerge.methods.registry import LayerResult, register
 
     calls = []
 

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specmerge.sources import SourceError, TensorInfo, TensorSource, open_source
+from specmerge.io.sources import SourceError, TensorInfo, TensorSource, open_source
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -181,7 +181,7 @@ def test_safetensors_loads_are_private_maps_released_when_freed(tmp_path):
 
 
 def test_safetensors_reads_fall_back_to_pread_without_memory_maps(tmp_path, monkeypatch):
-    import specmerge.sources as sources
+    import specmerge.io.sources as sources
 
     def no_maps(*args):
         raise OSError("no memory maps here")

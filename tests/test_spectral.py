@@ -7,9 +7,17 @@ import pytest
 import torch
 
 from conftest import low_rank_plus_noise
-from specmerge import get_method, spectral
-from specmerge.filters import Exponential, Landweber, PseudoInverse, Tikhonov, TopK
-from specmerge.spectral import Spectrum, decompose, filtered_solve, initial_point, inverse_gains, normal_equation
+from specmerge import get_method
+from specmerge.linalg.filters import Exponential, Landweber, PseudoInverse, Tikhonov, TopK
+from specmerge.methods import spectral
+from specmerge.methods.spectral import (
+    Spectrum,
+    decompose,
+    filtered_solve,
+    initial_point,
+    inverse_gains,
+    normal_equation,
+)
 
 # (N, d_out, d_in): full-rank C, and rank-deficient C with N d_out < d_in (the M M^T route)
 SHAPES = [(4, 12, 9), (3, 5, 11), (2, 3, 17)]
@@ -260,7 +268,7 @@ def test_generic_spectral_filter_method_is_the_same_code_path():
 
 
 def test_shared_decompositions_reuse_one_eigh_and_change_nothing(monkeypatch):
-    from specmerge import spectral
+    from specmerge.methods import spectral
 
     g = torch.Generator().manual_seed(3)
     tau = torch.randn(4, 12, 10, generator=g, dtype=torch.float64)
@@ -288,7 +296,7 @@ def test_shared_decompositions_reuse_one_eigh_and_change_nothing(monkeypatch):
 def test_rank_rules_choose_the_same_rank_in_float32_and_float64():
     """The rank rules see eigenvalues down to the eigensolver's accuracy, sqrt(n_cols) eps lambda_1: in float32
     the usual numerical-rank cut n_cols eps lambda_1 (here 1.2e-4 lambda_1) would drop real tail eigenvalues."""
-    from specmerge.speed import synthetic_stack
+    from specmerge_bench.speed import synthetic_stack
 
     tau = synthetic_stack(4, 192, 1024, rank=8, noise=0.2)  # float32 with the solve cut: psqrt 99, float64 102
     chosen = {}

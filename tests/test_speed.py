@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from specmerge import speed
 from specmerge.cli import main as cli_main
+from specmerge_bench import speed
 
 
 def test_speed_benchmark_tiny_set_with_memory(tmp_path, capsys):

@@ -17,15 +17,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specmerge import api, executor
-from specmerge.adapters import AdapterConfigWarning, AdapterError, open_adapter
 from specmerge.cli import main
+from specmerge.diagnostics.inspect import InspectOptions, inspect_model
 from specmerge.errors import NonFiniteError, SpecmergeError
-from specmerge.inspect_report import InspectOptions, inspect_model
-from specmerge.plan import PlanError, make_plan
-from specmerge.recipe import Recipe, RecipeError, load_recipe
-from specmerge.registry import get_method, methods
-from specmerge.sources import TensorInfo
+from specmerge.io.adapters import AdapterConfigWarning, AdapterError, open_adapter
+from specmerge.io.sources import TensorInfo
+from specmerge.methods.registry import all_methods, get_method
+from specmerge.pipeline import api, executor
+from specmerge.pipeline.plan import PlanError, make_plan
+from specmerge.pipeline.recipe import Recipe, RecipeError, load_recipe
 
 WEIGHT = "model.layers.0.self_attn.q_proj.weight"
 NORM = "model.layers.0.input_layernorm.weight"
@@ -71,7 +71,7 @@ def one_line_error(capsys, argv: list[str]) -> str:
 QUICK = {"wudi": {"steps": 3}, "wudi_reference": {"steps": 3}, "optmerge": {"steps": 3}, "optmerge_lora": {"steps": 3}}
 
 
-@pytest.mark.parametrize("method", sorted(methods()))
+@pytest.mark.parametrize("method", sorted(all_methods()))
 def test_nonfinite_expert_is_refused_by_every_method(tmp_path, method):
     nan_inf = {7: float("nan"), 20: float("inf")}
     base, experts = family(tmp_path, poison={(1, WEIGHT): nan_inf})
@@ -207,7 +207,7 @@ def test_inspect_refuses_nonfinite_dense_experts(tmp_path):
 
 
 def test_non_finite_float_parameters_are_refused_by_every_method():
-    for method in methods().values():
+    for method in all_methods().values():
         for param in method.params:
             if param.type_name.split()[0] != "float":
                 continue

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specmerge.sources import TensorInfo, open_source
-from specmerge.writer import (
+from specmerge.io.sources import TensorInfo, open_source
+from specmerge.io.writer import (
     OutputError,
     OutputExistsError,
     ShardWriter,
@@ -282,7 +282,7 @@ def test_transformers_round_trip(tmp_path):
 def test_shards_are_synced_while_written_and_when_full_unless_asked_not_to(tmp_path, monkeypatch, fsync):
     import os
 
-    from specmerge import writer as writer_module
+    from specmerge.io import writer as writer_module
 
     calls = []
     real_fsync, real_fdatasync = os.fsync, os.fdatasync

@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from specmerge.registry import Method, get_method, methods
+from specmerge.methods.registry import Method, all_methods, get_method
 
 
 def describe(method: Method, width: int = 100) -> str:
@@ -52,7 +52,7 @@ def _plain_warnings(command: Callable[[argparse.Namespace], int]) -> Callable[[a
 
 
 def _methods_command(args: argparse.Namespace) -> int:
-    chosen = [get_method(args.name)] if args.name else list(methods().values())
+    chosen = [get_method(args.name)] if args.name else list(all_methods().values())
     print("\n\n".join(describe(m) for m in chosen))
     return 0
 
@@ -66,10 +66,10 @@ def _demo_command(args: argparse.Namespace) -> int:
 
 def _bench_command(args: argparse.Namespace) -> int:
     if args.which == "speed":
-        from specmerge.speed import main as speed_main
+        from specmerge_bench.speed import main as speed_main
 
         return speed_main(args.rest)
-    from specmerge.accuracy.bench import main as accuracy_main
+    from specmerge_bench.accuracy.bench import main as accuracy_main
 
     return accuracy_main(args.rest)
 
@@ -80,7 +80,7 @@ def _recipe_value(flag: str, text: str) -> Any:
     refuse exactly the same values: the recipe's validation decides."""
     import yaml
 
-    from specmerge.recipe import RecipeError
+    from specmerge.pipeline.recipe import RecipeError
 
     if not text.strip():
         return text
@@ -93,7 +93,7 @@ def _recipe_value(flag: str, text: str) -> Any:
 
 def _parse_params(pairs: list[str]) -> dict:
     """``k=v`` strings to a dict; values read as in a YAML recipe (0.5, true, .inf, psqrt), validated by the method."""
-    from specmerge.recipe import RecipeError
+    from specmerge.pipeline.recipe import RecipeError
 
     params = {}
     for pair in pairs:
@@ -106,7 +106,7 @@ def _parse_params(pairs: list[str]) -> dict:
 
 @_plain_warnings
 def _merge_command(args: argparse.Namespace) -> int:
-    from specmerge.api import merge
+    from specmerge.pipeline.api import merge
 
     options = {  # every option given is the recipe's to validate, empty or zero included
         key: _recipe_value(flag, value)
@@ -137,8 +137,8 @@ def _merge_command(args: argparse.Namespace) -> int:
 
 @_plain_warnings
 def _run_command(args: argparse.Namespace) -> int:
-    from specmerge.api import run_recipe
-    from specmerge.recipe import load_recipe
+    from specmerge.pipeline.api import run_recipe
+    from specmerge.pipeline.recipe import load_recipe
 
     report = run_recipe(
         load_recipe(args.recipe),
@@ -154,7 +154,7 @@ def _run_command(args: argparse.Namespace) -> int:
 
 @_plain_warnings
 def _inspect_command(args: argparse.Namespace) -> int:
-    from specmerge.inspect_report import DEFAULT_METHODS, inspect_model
+    from specmerge.diagnostics.inspect import DEFAULT_METHODS, inspect_model
 
     options = {
         key: value
@@ -223,7 +223,7 @@ def _add_threads_argument(p: argparse.ArgumentParser) -> None:
 
 def _threads(args: argparse.Namespace) -> int | None:
     """``--threads`` checked (a whole number >= 1: one line otherwise) or None for the default."""
-    from specmerge.threads import parse_threads
+    from specmerge.pipeline.threads import parse_threads
 
     return parse_threads(args.threads)
 

@@ -106,7 +106,7 @@ def score(merged: Path, base_logits: list[torch.Tensor], expert_logits: list[tor
 
 def run_demo(workdir: Path, methods: list[str] | None = None, seed: int = 0) -> list[dict]:
     """Build the experts in ``workdir``, merge them with each method (default: METHODS), one row per method."""
-    from specmerge.api import merge
+    from specmerge.pipeline.api import merge
 
     methods = METHODS if methods is None else methods
     base, experts, subspaces = build_experts(workdir, seed=seed)

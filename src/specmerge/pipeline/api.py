@@ -18,16 +18,10 @@ from typing import Any
 
 import torch
 
-from specmerge import __version__
-from specmerge.adapters import AdapterExpert, adapter_config, is_adapter, open_adapter, write_adapter
-from specmerge.executor import resolve_device, run_adapter_plan, run_plan
-from specmerge.layout import transposed_weights
-from specmerge.plan import make_plan, summarize
-from specmerge.recipe import DTYPES, Recipe, RecipeError
-from specmerge.registry import get_method, methods
-from specmerge.sources import TensorInfo, TensorSource, open_source
-from specmerge.threads import check_threads, merge_threads
-from specmerge.writer import (
+from specmerge.io.adapters import AdapterExpert, adapter_config, is_adapter, open_adapter, write_adapter
+from specmerge.io.layout import transposed_weights
+from specmerge.io.sources import TensorInfo, TensorSource, open_source
+from specmerge.io.writer import (
     OutputError,
     ShardWriter,
     atomic_directory,
@@ -36,6 +30,12 @@ from specmerge.writer import (
     model_files,
     write_output_config,
 )
+from specmerge.methods.registry import all_methods, get_method
+from specmerge.pipeline.executor import resolve_device, run_adapter_plan, run_plan
+from specmerge.pipeline.plan import make_plan, summarize
+from specmerge.pipeline.recipe import DTYPES, Recipe, RecipeError
+from specmerge.pipeline.threads import check_threads, merge_threads
+from specmerge.version import __version__
 
 
 def merge(
@@ -54,9 +54,10 @@ def merge(
     """Merge ``experts`` (fine-tuned from ``base``) into a new model folder ``output``; return the report.
 
     ``options`` are the other recipe fields (overrides, dtype, device, shard_size, non_matrix, ...),
-    see :class:`specmerge.recipe.Recipe`. Everything is validated before any tensor is read. With
+    see :class:`specmerge.pipeline.recipe.Recipe`. Everything is validated before any tensor is read. With
     ``fsync`` (default) the shards are flushed to disk before the folder is renamed into place. ``threads``
-    is torch's thread count during the merge (default: chosen from the CPUs free, see :mod:`specmerge.threads`).
+    is torch's thread count during the merge (default: chosen from the CPUs free,
+    see :mod:`specmerge.pipeline.threads`).
     """
     recipe = Recipe.from_dict(
         {  # absolute paths: the recipe written next to the output must work from anywhere
@@ -167,7 +168,7 @@ def run_recipe(
 
 def stored_in_out(base: str | os.PathLike, base_infos: dict[str, TensorInfo], experts: Sequence[Any]) -> frozenset[str]:
     """The base weights stored (in, out), which matrix methods merge transposed: the Conv1D weights that the
-    base's config.json implies (:mod:`specmerge.layout`), and the weights that adapters with ``fan_in_fan_out``
+    base's config.json implies (:mod:`specmerge.io.layout`), and the weights that adapters with ``fan_in_fan_out``
     change (PEFT sets it exactly for Conv1D modules; it covers a base given as a single file)."""
     names = set(transposed_weights(base, base_infos))
     for expert in experts:
@@ -227,7 +228,7 @@ def _check_lora_output(recipe: Recipe, plan: list, experts: list) -> None:
     for entry in plan:
         densified = entry.action == "merge" and not get_method(entry.method).factored
         if densified and any(e.changes(entry.name) for e in experts):
-            factored = ", ".join(sorted(name for name, m in methods().items() if m.factored))
+            factored = ", ".join(sorted(name for name, m in all_methods().items() if m.factored))
             raise ValueError(
                 f"method '{entry.method}' (tensor '{entry.name}') densifies LoRA experts, so its result is not "
                 "low-rank: give max_rank (--max-rank K) to write its best rank-K approximation, or use a "

@@ -26,9 +26,8 @@ from stat import S_ISREG
 
 import torch
 
-from specmerge import __version__
 from specmerge.errors import SpecmergeError
-from specmerge.sources import (
+from specmerge.io.sources import (
     SAFETENSORS_DTYPES,
     SAFETENSORS_FILE,
     SAFETENSORS_INDEX,
@@ -36,6 +35,7 @@ from specmerge.sources import (
     TensorInfo,
     folder_file,
 )
+from specmerge.version import __version__
 
 _DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 
@@ -774,7 +774,7 @@ def model_files(base_dir: str | os.PathLike) -> dict[str, Path]:
 
     Top-level files whose names match ``MODEL_FILE_PATTERNS`` (config, tokenizer, processor, remote code);
     weights, indexes, README.md and subfolders are left out. Each is checked by
-    :func:`specmerge.sources.folder_file`: a link that leads outside the folder (other than into its Hugging Face
+    :func:`specmerge.io.sources.folder_file`: a link that leads outside the folder (other than into its Hugging Face
     cache ``blobs/``), a dangling link or anything but a regular file raises SourceError naming the link and its
     target. A single-file base has none.
     """

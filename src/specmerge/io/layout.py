@@ -36,7 +36,7 @@ The config is the ``config.json`` of the base folder (or of the folder holding a
 ``*.index.json``). A base given as a single weights file (``.safetensors``, ``.bin``) has no config: nothing
 is transposed, so a GPT-2-family base must be given as its folder for matrix methods to see (out, in).
 PEFT adapters record the same fact as ``fan_in_fan_out`` (PEFT sets it exactly for Conv1D modules), so
-:func:`specmerge.api.stored_in_out` also marks the weights such adapters change.
+:func:`specmerge.pipeline.api.stored_in_out` also marks the weights such adapters change.
 
 The orientation changes the result of the WUDI family, ``closed_form`` and ``spectral_filter`` (C is
 d_in x d_in). TSV-M and Iso-C treat the left and right singular vectors alike, so for them
@@ -54,8 +54,8 @@ from typing import Any
 import torch
 
 from specmerge.errors import SpecmergeError
-from specmerge.lora import FactoredResult, LoraDelta
-from specmerge.sources import folder_file
+from specmerge.io.sources import folder_file
+from specmerge.linalg.lowrank import FactoredResult, LoraDelta
 
 _GPT2 = frozenset(
     {

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from specmerge.baselines import singular_value_floor
-from specmerge.registry import compute_dtype, get_method
+from specmerge.methods.baselines import singular_value_floor
+from specmerge.methods.registry import compute_dtype, get_method
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from typing import Annotated, Literal, Protocol
 import torch
 from pydantic import Field
 
-from specmerge.registry import Count, LayerResult, NonNegative, Positive, register
-from specmerge.spectral import (
+from specmerge.methods.registry import Count, LayerResult, NonNegative, Positive, register
+from specmerge.methods.spectral import (
     WUDI_CITATION,
     TauInit,
     expert_norms_sq,

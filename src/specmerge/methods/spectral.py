@@ -19,9 +19,17 @@ from typing import Literal
 
 import torch
 
-from specmerge import rank_rules
-from specmerge.filters import Exponential, Filter, Landweber, PseudoInverse, Tikhonov, TopK
-from specmerge.registry import Count, LayerResult, NonNegative, NonNegativeOrInf, Positive, UnitInterval, register
+from specmerge.linalg import rank_rules
+from specmerge.linalg.filters import Exponential, Filter, Landweber, PseudoInverse, Tikhonov, TopK
+from specmerge.methods.registry import (
+    Count,
+    LayerResult,
+    NonNegative,
+    NonNegativeOrInf,
+    Positive,
+    UnitInterval,
+    register,
+)
 
 TauInit = Literal["sum", "mean", "zero"]
 RankRule = Literal["psqrt", "gavish_donoho", "participation"]

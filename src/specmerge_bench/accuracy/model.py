@@ -50,7 +50,7 @@ import torch
 import transformers
 from torch import Tensor
 
-from specmerge.accuracy import data
+from specmerge_bench.accuracy import data
 
 MAX_LENGTH = 32
 L2_GRID = (1.0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6)
@@ -630,9 +630,14 @@ def build_experts(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m specmerge.accuracy.model --cache DIR [--seeds 0 1 2] [--steps 800] [--lr 1e-4]``: build, print."""
-    parser = argparse.ArgumentParser(prog="python -m specmerge.accuracy.model", description=__doc__.split("\n")[0])
-    parser.add_argument("--cache", required=True, type=Path, help="cache directory (as for specmerge.accuracy.data)")
+    """``python -m specmerge_bench.accuracy.model --cache DIR [--seeds 0 1 2] [--steps 800] [--lr 1e-4]``:
+    build, print."""
+    parser = argparse.ArgumentParser(
+        prog="python -m specmerge_bench.accuracy.model", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--cache", required=True, type=Path, help="cache directory (as for specmerge_bench.accuracy.data)"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds (default 0)")
     parser.add_argument("--steps", type=int, default=800, help="optimizer steps per expert (default 800)")
     parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
@@ -642,7 +647,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.cache, args.seeds, steps=args.steps, lr=args.lr, log=lambda line: print(line, file=sys.stderr)
         )
     except (data.AccuracyDataError, OSError, ValueError) as err:
-        print(f"specmerge.accuracy.model: error: {err}", file=sys.stderr)
+        print(f"specmerge_bench.accuracy.model: error: {err}", file=sys.stderr)
         return 2
     seeds = args.seeds
     header = f"{'task':<28} {'base':>6} " + " ".join(f"{f'seed{s}':>6}" for s in seeds) + f" {'expert':>6} {'gap':>6}"

@@ -5,7 +5,7 @@ A method is a pure function ``fn(task_vectors, *, <params>) -> LayerResult`` whe
 keyword-only arguments of ``fn``; their types, defaults and help text are read from the signature
 and the ``Args:`` section of the docstring. Three keyword names are reserved for context the caller
 supplies rather than the user: ``tensor_name`` and ``expert_keys`` (used by seeded methods) and
-``full_shape`` (methods that can merge small cores of low-rank experts exactly, see ``specmerge.lora``).
+``full_shape`` (methods that can merge small cores of low-rank experts exactly, see ``specmerge.linalg.lowrank``).
 
 Float parameters are finite: NaN is refused everywhere, and +-Inf (also written ``1e400``) too, except
 where a parameter's type says that +Inf means "no limit" (:data:`NonNegativeOrInf`, e.g. SWUDI's ``t``).
@@ -36,7 +36,7 @@ Count = Annotated[int, Field(ge=0)]
 NonNegativeOrInf = Annotated[float, Field(ge=0, allow_inf_nan=True)]  # +inf means "no limit"; NaN is refused
 
 CONTEXT_KEYWORDS = frozenset({"tensor_name", "expert_keys", "full_shape"})
-BUILTIN_MODULES = ("specmerge.spectral", "specmerge.baselines", "specmerge.iterative")
+BUILTIN_MODULES = ("specmerge.methods.spectral", "specmerge.methods.baselines", "specmerge.methods.iterative")
 
 
 @dataclass
@@ -201,7 +201,7 @@ def _load_builtins() -> None:
         importlib.import_module(module)
 
 
-def methods() -> dict[str, Method]:
+def all_methods() -> dict[str, Method]:
     """All registered methods, by name."""
     _load_builtins()
     return dict(_METHODS)

@@ -6,16 +6,16 @@ tau_i`` on the ones the plan averages (``scale_non_matrix`` off, as in ``specmer
 in the registry returns ``scale * (its result at scale 1)``, so one delta per candidate serves the whole
 scale grid (a test checks the linearity).
 
-Which tensor gets what comes from :func:`specmerge.plan.make_plan`, exactly as for a merge from files:
+Which tensor gets what comes from :func:`specmerge.pipeline.plan.make_plan`, exactly as for a merge from files:
 2-D linear weights get the method, embeddings are averaged, biases and LayerNorms are averaged for matrix
 methods and merged by elementwise ones (TA, TIES, DARE). The per-tensor calls are the registry methods, so
 the benchmark measures the code users run. Two savings for sweeps, both exact:
 
 - the spectral methods of one layer share its normal equation and eigendecomposition
-  (:func:`specmerge.spectral.shared_decompositions`), so a grid of SWUDI (r, t) settings, SWUDI-A rules,
+  (:func:`specmerge.methods.spectral.shared_decompositions`), so a grid of SWUDI (r, t) settings, SWUDI-A rules,
   D C^+ and the exponential filter costs one eigh per layer;
 - WUDI at several step counts is one run of the largest count with snapshots (:func:`wudi_snapshots`),
-  equal to separate runs of :func:`specmerge.iterative.wudi` (test).
+  equal to separate runs of :func:`specmerge.methods.iterative.wudi` (test).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specmerge.iterative import descend, quadratic_gradient
-from specmerge.plan import make_plan
-from specmerge.recipe import Recipe
-from specmerge.registry import get_method
-from specmerge.sources import TensorInfo
-from specmerge.spectral import initial_point, normal_equation, shared_decompositions
+from specmerge.io.sources import TensorInfo
+from specmerge.methods.iterative import descend, quadratic_gradient
+from specmerge.methods.registry import get_method
+from specmerge.methods.spectral import initial_point, normal_equation, shared_decompositions
+from specmerge.pipeline.plan import make_plan
+from specmerge.pipeline.recipe import Recipe
 
 StateDict = dict[str, torch.Tensor]
 

@@ -3,9 +3,9 @@
 The inputs are read exactly as ``merge`` reads them (lazy sources, PEFT LoRA adapters, the same plan:
 2-D linear weights, embeddings and heads excluded), one layer at a time with the next one prefetched,
 so memory holds one layer's stack, never a model. For every layer the normal equation and the
-eigendecomposition of C are computed once (:func:`specmerge.spectral.shared_decompositions`) and
-reused by the statistics of :mod:`specmerge.diagnostics` and by every compared method. LoRA layers
-take the factored route (the small cores of ``specmerge.lora.factor_cores``: exact, no d_in x d_in
+eigendecomposition of C are computed once (:func:`specmerge.methods.spectral.shared_decompositions`) and
+reused by the statistics of :mod:`specmerge.diagnostics.statistics` and by every compared method. LoRA layers
+take the factored route (the small cores of ``specmerge.linalg.lowrank.factor_cores``: exact, no d_in x d_in
 matrix) for the statistics and for the methods that have a factored form; methods without one
 (TIES, DARE, iterative WUDI) densify that layer's deltas.
 
@@ -39,16 +39,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tqdm.auto import tqdm
 
-from specmerge import __version__, diagnostics
-from specmerge.api import _refuse_duplicate_inputs, _refuse_output_inside_inputs, open_expert, stored_in_out
-from specmerge.executor import _prefetched, check_finite, resolve_device
-from specmerge.layout import CONV1D_LAYOUT, transpose_item
-from specmerge.lora import LoraDelta, factor_cores
-from specmerge.plan import TensorPlan, make_plan
-from specmerge.recipe import DEVICE_PATTERN, Recipe, RecipeError
-from specmerge.registry import get_method, unknown_name_message
-from specmerge.sources import TensorSource, open_source
-from specmerge.spectral import (
+from specmerge.diagnostics import statistics as diagnostics
+from specmerge.io.layout import CONV1D_LAYOUT, transpose_item
+from specmerge.io.sources import TensorSource, open_source
+from specmerge.io.writer import atomic_directory
+from specmerge.linalg.lowrank import LoraDelta, factor_cores
+from specmerge.methods.registry import get_method, unknown_name_message
+from specmerge.methods.spectral import (
     TauInit,
     _equation_and_spectrum,
     decompose,
@@ -57,8 +54,12 @@ from specmerge.spectral import (
     normal_equation,
     shared_decompositions,
 )
-from specmerge.threads import check_threads, merge_threads
-from specmerge.writer import atomic_directory
+from specmerge.pipeline.api import _refuse_duplicate_inputs, _refuse_output_inside_inputs, open_expert, stored_in_out
+from specmerge.pipeline.executor import _prefetched, check_finite, resolve_device
+from specmerge.pipeline.plan import TensorPlan, make_plan
+from specmerge.pipeline.recipe import DEVICE_PATTERN, Recipe, RecipeError
+from specmerge.pipeline.threads import check_threads, merge_threads
+from specmerge.version import __version__
 
 # The methods whose merged-delta norm is reported by default (the norm-shortcut diagnostic): the
 # pseudoinverse D C^+ against the regularised solvers and the linear baselines.
@@ -239,7 +240,7 @@ def inspect_model(
     """Write the spectral report of ``experts`` (fine-tuned from ``base``) to the new folder ``output``.
 
     ``options`` are the fields of :class:`InspectOptions`. ``threads`` is torch's thread count while it
-    runs (default: chosen from the CPUs free, see :mod:`specmerge.threads`). Returns the content of
+    runs (default: chosen from the CPUs free, see :mod:`specmerge.pipeline.threads`). Returns the content of
     ``summary.json``.
     """
     check_threads(threads)
@@ -726,7 +727,7 @@ def _plot_optimizer_filter(
 ) -> None:
     import matplotlib.pyplot as plt
 
-    from specmerge.filters import Exponential, Landweber
+    from specmerge.linalg.filters import Exponential, Landweber
 
     lam = filters["fit_eigenvalues"].double()
     grid = torch.logspace(math.log10(float(lam.min())), math.log10(float(lam.max())), 200, dtype=torch.float64)

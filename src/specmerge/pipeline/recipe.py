@@ -24,7 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from specmerge.errors import SpecmergeError
-from specmerge.registry import get_method, methods, unknown_name_message
+from specmerge.methods.registry import all_methods, get_method, unknown_name_message
 
 # Output and compute dtypes a recipe may name.
 DTYPES: dict[str, torch.dtype] = {
@@ -158,7 +158,7 @@ class Recipe(BaseModel):
         for key in data:
             if key in cls.model_fields:
                 continue
-            if any(key in (p.name for p in m.params) for m in methods().values()):
+            if any(key in (p.name for p in m.params) for m in all_methods().values()):
                 raise RecipeError(
                     f"unknown recipe key '{key}': method parameters go under 'params:' (params: {{{key}: ...}})",
                     (key,),

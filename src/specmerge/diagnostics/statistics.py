@@ -5,7 +5,7 @@ conditioning ratios, the kept rank of every rank rule), the share of the WUDI pr
 filter keeps, the filters h_k themselves, and the optimizer-as-filter diagnostic (the empirical
 per-direction filter of iterative WUDI, fitted by the exponential and Landweber filters). The
 summary over layers reproduces the rows of the paper's per-architecture table (App. C, Table XVII).
-Nothing here reads files; :mod:`specmerge.inspect_report` streams a model through these functions.
+Nothing here reads files; :mod:`specmerge.diagnostics.inspect` streams a model through these functions.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from scipy import optimize
 
-from specmerge import rank_rules
-from specmerge.filters import Exponential, Filter, Landweber, PseudoInverse, Tikhonov, TopK
-from specmerge.iterative import Optimizer, descend, quadratic_gradient
-from specmerge.spectral import NormalEquation, Spectrum, choose_rank
+from specmerge.linalg import rank_rules
+from specmerge.linalg.filters import Exponential, Filter, Landweber, PseudoInverse, Tikhonov, TopK
+from specmerge.methods.iterative import Optimizer, descend, quadratic_gradient
+from specmerge.methods.spectral import NormalEquation, Spectrum, choose_rank
 
 # ---------------------------------------------------------------------------------------------
 # Statistics of one spectrum
@@ -210,8 +210,8 @@ def filter_family(
 class FilterProblem:
     """One layer's WUDI quadratic in dense coordinates, with the eigenbasis of C on its non-zero eigenvalues.
 
-    ``times_C(X)`` is X C; it satisfies :class:`specmerge.iterative.Quadratic`, so
-    :func:`specmerge.iterative.quadratic_gradient` gives the optimizer's gradient 2 (tau C - D).
+    ``times_C(X)`` is X C; it satisfies :class:`specmerge.methods.iterative.Quadratic`, so
+    :func:`specmerge.methods.iterative.quadratic_gradient` gives the optimizer's gradient 2 (tau C - D).
     """
 
     D: torch.Tensor  # d_out x d_in
@@ -371,10 +371,11 @@ class FilterFit:
 def optimizer_filter_trace(
     problem: FilterProblem, *, optimizer: Optimizer, lr: float, checkpoints: Sequence[int]
 ) -> list[FilterFit]:
-    """Run WUDI descent (:func:`specmerge.iterative.descend`, gradient 2 (tau C - D)) and fit its filter at checkpoints.
+    """Run WUDI descent (:func:`~specmerge.methods.iterative.descend`,
+    gradient 2 (tau C - D)) and fit its filter at checkpoints.
 
     A step of size a on the WUDI loss is a Landweber step eta = 2a on the normal equation
-    (``specmerge.iterative``), so the Landweber fit uses eta = 2 lr and, for plain gradient descent,
+    (``specmerge.methods.iterative``), so the Landweber fit uses eta = 2 lr and, for plain gradient descent,
     recovers n_eff = step exactly. The exponential fit's t_eff is in the same units (t = eta n for small eta lambda).
     Once the filter has saturated (h = 1 on every direction) R^2 is undefined (nan); the RMSE remains.
     """
@@ -438,7 +439,7 @@ def _mean(values: Iterable[float]) -> float:
 def summarize_layers(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The paper's per-architecture statistics (App. C, Table XVII) over per-layer rows, plus the cuts' proxy shares.
 
-    Rows are those of :func:`specmerge.inspect_report` (keys ``d_in``, ``rel_norms``, ``r_eff_participation``,
+    Rows are those of :func:`specmerge.diagnostics.inspect` (keys ``d_in``, ``rel_norms``, ``r_eff_participation``,
     ``max_over_median``, ``l90_over_max``, ``lambda_max``, ``K_<rule>``, ``share_<rule>``); layers whose
     experts are all zero are left out. The mean update magnitude runs over the (expert, layer) pairs with a
     non-zero delta (a LoRA adapter that does not touch a layer does not count as a zero update).

@@ -16,8 +16,8 @@ from typing import Annotated
 import torch
 from pydantic import Field
 
-from specmerge.registry import LayerResult, register
-from specmerge.spectral import nonzero_experts
+from specmerge.methods.registry import LayerResult, register
+from specmerge.methods.spectral import nonzero_experts
 
 Density = Annotated[float, Field(gt=0, le=1)]
 DropRate = Annotated[float, Field(ge=0, lt=1)]

@@ -1,6 +1,6 @@
 """Selection, scoring and reporting of the accuracy benchmark: every method, hyperparameters chosen on val.
 
-For each training seed: the experts' deltas are merged with every candidate (:mod:`specmerge.accuracy.merging`),
+For each training seed: the experts' deltas are merged with every candidate (:mod:`specmerge_bench.accuracy.merging`),
 each candidate x final scale s is scored on the validation splits, each results row keeps the setting with
 the best mean validation accuracy over the tasks, and only that setting is scored on the test splits. Test
 accuracy is never used to choose anything. Every score is cached on disk (keyed by the experts, the
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specmerge.accuracy.merging import Candidate, MergedDeltas, StateDict, merge_candidates
+from specmerge_bench.accuracy.merging import Candidate, MergedDeltas, StateDict, merge_candidates
 
 SCALES = (0.1, 0.2, 0.3, 0.5, 1.0)
 SWUDI_R = (0.55, 0.65, 0.75, 0.85)
@@ -87,12 +87,20 @@ def step_rows() -> list[Row]:
 
 def code_key() -> str:
     """A hash of the code that computes merges: cached scores are reused only while it is unchanged."""
-    root = Path(__file__).resolve().parents[1]
-    files = ["spectral.py", "filters.py", "rank_rules.py", "iterative.py", "baselines.py", "plan.py",
-             "accuracy/merging.py"]  # fmt: skip
+    import specmerge
+
+    core = Path(specmerge.__file__).resolve().parent
+    files = [
+        *sorted(core.glob("methods/**/*.py")),  # every method, whatever file it is in
+        *sorted(core.glob("linalg/**/*.py")),
+        core / "pipeline" / "plan.py",
+        core / "pipeline" / "recipe.py",
+        Path(__file__).resolve().with_name("merging.py"),
+    ]
     digest = hashlib.sha256()
-    for name in files:
-        digest.update((root / name).read_bytes())
+    for file in files:
+        digest.update(file.name.encode())
+        digest.update(file.read_bytes())
     return digest.hexdigest()[:12]
 
 
@@ -317,7 +325,7 @@ def plots(summary: Mapping[str, Any], folder: Path) -> list[Path]:
 
 def load_scoring(built: Mapping[str, Any], model_dir: str | Path | None = None) -> tuple[Any, StateDict, Any, Any]:
     """(base model, a copy of its state dict, encoded tasks, probe heads) for scoring, from ``build_experts``."""
-    from specmerge.accuracy import model as accuracy_model
+    from specmerge_bench.accuracy import model as accuracy_model
 
     base_model, _ = accuracy_model.load_base(model_dir)
     base = {k: v.detach().clone() for k, v in base_model.state_dict().items()}
@@ -356,7 +364,7 @@ def run_benchmark(
     """
     import time
 
-    from specmerge.accuracy import model as accuracy_model
+    from specmerge_bench.accuracy import model as accuracy_model
 
     cache_dir = Path(cache_dir).resolve()
     started = time.perf_counter()

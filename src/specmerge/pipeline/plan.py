@@ -15,7 +15,7 @@ paper (merge the 2-D linear weights, average the rest):
 4. 2-D floating tensors whose last name component contains ``weight`` (``q_proj.weight``, CLIP's
    ``in_proj_weight``, GPT-2's Conv1D ``c_attn.weight``): ``merge`` with the recipe's method. A fused
    weight (qkv, gate_up) is one 2-D layer. Conv1D weights are stored (in, out): the plan marks them
-   ``transposed`` (from the base's config.json, :mod:`specmerge.layout`) and matrix methods see them as (out, in).
+   ``transposed`` (from the base's config.json, :mod:`specmerge.io.layout`) and matrix methods see them as (out, in).
 5. Everything else that is floating (1-D norms and biases, >= 3-D conv kernels, 2-D parameters not
    named ``weight``): ``merge`` when the method is elementwise (task arithmetic, TIES and DARE apply to
    every tensor, as in their papers); ``recipe.non_matrix`` when the method needs matrices.
@@ -50,8 +50,8 @@ from typing import Any, Literal, Protocol
 import torch
 
 from specmerge.errors import SpecmergeError
-from specmerge.recipe import DTYPES, Recipe
-from specmerge.registry import Method, get_method
+from specmerge.methods.registry import Method, get_method
+from specmerge.pipeline.recipe import DTYPES, Recipe
 
 Action = Literal["merge", "average", "keep_base"]
 
@@ -74,7 +74,7 @@ EMBEDDING_NAMES = frozenset({"output.weight", "embeddings.weight", "embedding.we
 
 
 class TensorInfoLike(Protocol):
-    """What the plan needs to know of a stored tensor (``specmerge.sources.TensorInfo`` is one)."""
+    """What the plan needs to know of a stored tensor (``specmerge.io.sources.TensorInfo`` is one)."""
 
     name: str
     shape: Sequence[int]
@@ -92,7 +92,9 @@ class TensorPlan:
     method: str | None  # for merge
     params: dict[str, Any]  # merge: the method's complete params; average: {"scale": s}; keep_base: {}
     reason: str  # short human text: "2-D linear weight", "embedding", "override '*.mlp.*'", ...
-    transposed: bool = False  # stored (in, out), a Conv1D weight (specmerge.layout): matrix methods see its transpose
+    transposed: bool = (
+        False  # stored (in, out), a Conv1D weight (specmerge.io.layout): matrix methods see its transpose
+    )
 
 
 class PlanError(SpecmergeError):
@@ -132,7 +134,7 @@ def make_plan(
 ) -> list[TensorPlan]:
     """One :class:`TensorPlan` per base tensor, in the base's order; checks the experts fit the base.
 
-    ``transposed`` names the 2-D weights stored (in, out) (:func:`specmerge.layout.transposed_weights`).
+    ``transposed`` names the 2-D weights stored (in, out) (:func:`specmerge.io.layout.transposed_weights`).
     """
     if len(experts) != len(expert_paths):
         raise PlanError(f"make_plan got {len(experts)} experts but {len(expert_paths)} expert paths")

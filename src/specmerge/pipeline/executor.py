@@ -28,14 +28,14 @@ from typing import Any, NoReturn
 import torch
 from tqdm.auto import tqdm
 
-from specmerge.adapters import AdapterExpert
 from specmerge.errors import NonFiniteError
-from specmerge.layout import CONV1D_LAYOUT, transpose_item, transpose_result
-from specmerge.lora import AdapterFactors, FactoredResult, LoraDelta, adapter_factors, merge_factored
-from specmerge.plan import TensorPlan
-from specmerge.registry import get_method
-from specmerge.sources import TensorSource
-from specmerge.threads import io_thread_setup
+from specmerge.io.adapters import AdapterExpert
+from specmerge.io.layout import CONV1D_LAYOUT, transpose_item, transpose_result
+from specmerge.io.sources import TensorSource
+from specmerge.linalg.lowrank import AdapterFactors, FactoredResult, LoraDelta, adapter_factors, merge_factored
+from specmerge.methods.registry import get_method
+from specmerge.pipeline.plan import TensorPlan
+from specmerge.pipeline.threads import io_thread_setup
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 ``open_adapter(folder)`` reads ``adapter_config.json`` and ``adapter_model.safetensors`` (or
 ``adapter_model.bin``); ``adapter.deltas()`` names, for every adapted base weight, the factors of
-its delta, and ``adapter.load(name)`` returns a :class:`specmerge.lora.LoraDelta` with
+its delta, and ``adapter.load(name)`` returns a :class:`specmerge.linalg.lowrank.LoraDelta` with
 
     delta W = scale * B @ A,   scale = alpha / r   (alpha / sqrt(r) with rsLoRA),
 
@@ -37,8 +37,8 @@ import torch
 from safetensors.torch import save_file
 
 from specmerge.errors import SpecmergeWarning
-from specmerge.lora import AdapterFactors, LoraDelta
-from specmerge.sources import SourceError, TensorInfo, folder_file, open_source
+from specmerge.io.sources import SourceError, TensorInfo, folder_file, open_source
+from specmerge.linalg.lowrank import AdapterFactors, LoraDelta
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")

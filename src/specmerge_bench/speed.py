@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from specmerge.registry import get_method
+from specmerge.methods.registry import get_method
 
 STEPS = 300  # WUDI's published step count
 
@@ -186,7 +186,7 @@ def peak_bytes_here(entry: Entry, stack: torch.Tensor, steps: int | None) -> int
 def peak_bytes(shape_set: ShapeSet, layer: Layer, entry: Entry, device: str, steps: int | None) -> int:
     """:func:`peak_bytes_here` in a fresh Python process (no allocator state left over from other runs)."""
     job = json.dumps([shape_set.name, layer.name, entry.label, device, steps])
-    code = "import sys, json; from specmerge.speed import _measure_child; print(_measure_child(sys.argv[1]))"
+    code = "import sys, json; from specmerge_bench.speed import _measure_child; print(_measure_child(sys.argv[1]))"
     out = subprocess.run([sys.executable, "-c", code, job], check=True, capture_output=True, text=True)
     return int(out.stdout.strip().splitlines()[-1])
 

@@ -861,8 +861,8 @@ def load_base_model_path() -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m specmerge.accuracy.data --cache DIR [--seed N]``: build the tasks, print a table."""
-    parser = argparse.ArgumentParser(prog="python -m specmerge.accuracy.data", description=__doc__.split("\n")[0])
+    """``python -m specmerge_bench.accuracy.data --cache DIR [--seed N]``: build the tasks, print a table."""
+    parser = argparse.ArgumentParser(prog="python -m specmerge_bench.accuracy.data", description=__doc__.split("\n")[0])
     parser.add_argument("--cache", required=True, type=Path, help="cache directory (sources/ and tasks/)")
     parser.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
     args = parser.parse_args(argv)
@@ -873,7 +873,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         manifest = build_tasks(args.cache, args.seed)
         built = time.perf_counter()
     except (AccuracyDataError, OSError) as err:
-        print(f"specmerge.accuracy.data: error: {err}", file=sys.stderr)
+        print(f"specmerge_bench.accuracy.data: error: {err}", file=sys.stderr)
         return 2
     release = record["release"]
     print(

@@ -1,0 +1,1 @@
+"""Statistics of task-vector spectra and the `specmerge inspect` report."""

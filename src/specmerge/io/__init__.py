@@ -1,0 +1,1 @@
+"""Reading checkpoints and adapters, and writing outputs."""

@@ -1,0 +1,1 @@
+"""Merge methods: the registry and one module per family."""

@@ -1,0 +1,1 @@
+"""Recipe, plan, executor and the public merge API."""

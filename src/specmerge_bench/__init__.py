@@ -1,0 +1,1 @@
+"""Benchmarks of specmerge (speed, accuracy): outside the library, which never imports them."""
