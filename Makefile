@@ -24,8 +24,9 @@ test: lint
 	OMP_NUM_THREADS=1 $(BIN)/pytest -m numerical
 
 bench: $(VENV)/.installed
-	$(BIN)/specmerge bench speed --sets clip --memory
+	$(BIN)/specmerge-bench speed --sets clip --memory
 
+# The benchmarks are the specmerge_bench package, installed with specmerge (command `specmerge-bench`).
 # The offline accuracy benchmark (README, "Accuracy benchmark"); CACHE holds data, experts and scores.
 CACHE ?= $(HOME)/.cache/specmerge-accuracy
 SEEDS ?= 0 1 2
@@ -34,7 +35,7 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 	touch $@
 
 bench-accuracy: $(VENV)/.bench-installed
-	$(BIN)/specmerge bench accuracy --cache $(CACHE) --seeds $(SEEDS)
+	$(BIN)/specmerge-bench accuracy --cache $(CACHE) --seeds $(SEEDS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

@@ -2,8 +2,9 @@
 
     python bench/accuracy_investigate.py --cache /work/benchdata/accuracy --seeds 0 1 2
 
-Uses the cached experts of ``specmerge bench accuracy`` and scores on the VALIDATION splits only (no test
-split is read), for every seed:
+Uses the cached experts of ``specmerge-bench accuracy --cache DIR`` (run that first: this script refuses a
+cache without ``experts/<key>/seed<k>/`` folders rather than building them) and scores on the VALIDATION
+splits only (no test split is read), for every seed:
 
 1. scale beyond the benchmark's grid (s in 1.0, 1.25, 1.5, 2.0) for TSV-M, Iso-C, WUDI-300, SWUDI-A
    (psqrt, Gavish-Donoho): does the grid's top (s = 1.0, chosen by every spectral method) cap them?
@@ -15,13 +16,15 @@ Prints mean validation accuracy over the tasks (mean over seeds, and per seed).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from pathlib import Path
 
 from specmerge_bench.accuracy import model as accuracy_model
 from specmerge_bench.accuracy.bench import SCALES, load_experts, load_scoring
+from specmerge_bench.accuracy.data import AccuracyDataError
+from specmerge_bench.accuracy.experts import build_experts
 from specmerge_bench.accuracy.merging import Candidate, merge_candidates
+from specmerge_bench.inputs import Parser, fail
 
 BEYOND = (1.0, 1.25, 1.5, 2.0)
 SCALE_PROBES = [
@@ -40,11 +43,18 @@ INIT_PROBES = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cache", type=Path, required=True)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser = Parser(prog="accuracy_investigate.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--cache", type=Path, required=True, help="the cache folder of specmerge-bench accuracy")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds (default 0 1 2)")
     args = parser.parse_args()
-    built = accuracy_model.build_experts(args.cache.resolve(), args.seeds, log=lambda line: None)
+    for seed in args.seeds:
+        if not any((args.cache / "experts").glob(f"*/seed{seed}/*/model.safetensors")):
+            parser.error(f"--cache {args.cache} holds no experts of seed {seed} (experts/<key>/seed{seed}/<task>/); "
+                         f"run `specmerge-bench accuracy --cache {args.cache} --seeds {seed}` first")  # fmt: skip
+    try:
+        built = build_experts(args.cache.resolve(), args.seeds, log=lambda line: None)
+    except (AccuracyDataError, OSError) as err:
+        fail(parser.prog, str(err))
     base_model, base, tasks_encoded, heads = load_scoring(built)
     table: dict[tuple[str, float], list[float]] = {}
     norms: dict[str, list[float]] = {}

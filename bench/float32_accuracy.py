@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import specmerge
 from float32_sweep import BACKWARD_ERROR, CONDITIONING, METHODS, SHAPES, errors, label, layer
+from specmerge_bench.inputs import Parser
 
 
 def one_layer(key: tuple[int, str, str, int]) -> list[dict]:
@@ -62,7 +63,7 @@ def routes(repeats: int = 3) -> None:
     """CPU seconds (process time, one thread, median of ``repeats`` after a warm-up) of the wide-layer routes."""
     import time
 
-    from specmerge.methods.spectral import normal_equation
+    from specmerge.linalg.quadratic import normal_equation
     from specmerge_bench.speed import cpu_name, synthetic_stack
 
     torch.set_num_threads(1)
@@ -104,7 +105,7 @@ def _eigh_gram(eq) -> torch.Tensor:
 
 
 def _decompose(eq) -> torch.Tensor:
-    from specmerge.methods.spectral import decompose
+    from specmerge.linalg.spectrum import decompose
 
     spectrum = decompose(eq)
     return spectrum.vectors if hasattr(spectrum, "vectors") else spectrum.eigenvectors  # older versions
@@ -144,12 +145,18 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(
+        prog="float32_accuracy.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seeds", type=int, default=75, help="layers per (N, shape, conditioning); 75 gives 2,700")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (one thread each)")
     parser.add_argument("--json", type=Path, help="write every layer's errors here")
     parser.add_argument("--routes", action="store_true", help="time the wide-layer routes instead")
     args = parser.parse_args()
+    if args.seeds < 1 or args.jobs < 1:
+        parser.error(f"--seeds and --jobs must be at least 1, got {args.seeds} and {args.jobs}")
+    if args.json is not None and not args.json.parent.is_dir():
+        parser.error(f"--json {args.json}: folder {args.json.parent} does not exist")
     if args.routes:
         routes()
         return

@@ -2,6 +2,8 @@
 
     python bench/inspect_lora_set.py --out /work/benchdata/inspect-lora
 
+Then: specmerge inspect OUT/base OUT/lora0 OUT/lora1 OUT/lora2 OUT/lora3 --out REPORT_DIR.
+
 Writes OUT/base (LlamaForCausalLM with transformers' random initialisation, hidden 512, 8 layers, grouped
 K/V heads, float32) and OUT/lora0..lora3: ranks 4, 8, 16 (rsLoRA) and 8, targeting all seven projections
 except that lora3 leaves out the MLP. Like adapters trained on related tasks, the adapters of a layer share
@@ -19,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from specmerge_bench.inputs import Parser, fail
+
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTERS = (
     {"r": 4, "lora_alpha": 8, "targets": ALL},
@@ -30,6 +34,8 @@ SHARED_ROWS = 8
 
 
 def _seed(*parts: object) -> int:
+    """A seed from ``parts`` (sha256 of their repr): kept as it is so that the set BENCHMARKS.md reports is rebuilt
+    exactly (``specmerge_bench.synthetic.stable_seed`` hashes differently)."""
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
 
 
@@ -75,13 +81,20 @@ def build_adapter(folder: Path, index: int, spec: dict, shapes: dict[str, tuple[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="folder for base/ and lora0..lora3/")
+    parser = Parser(
+        prog="inspect_lora_set.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=True, help="folder to write base/ and lora0..lora3/ into")
     args = parser.parse_args()
-    shapes = build_base(args.out / "base")
-    for i, spec in enumerate(ADAPTERS):
-        build_adapter(args.out / f"lora{i}", i, spec, shapes, args.out / "base")
-        print(f"wrote {args.out / f'lora{i}'} (rank {spec['r']}, {len(spec['targets'])} target projections)")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} is a file: give a folder (base/ and lora0..lora3/ are written into it)")
+    try:
+        shapes = build_base(args.out / "base")
+        for i, spec in enumerate(ADAPTERS):
+            build_adapter(args.out / f"lora{i}", i, spec, shapes, args.out / "base")
+            print(f"wrote {args.out / f'lora{i}'} (rank {spec['r']}, {len(spec['targets'])} target projections)")
+    except OSError as err:
+        fail(parser.prog, f"cannot write under --out {args.out}: {err.strerror or err} ({err.filename or args.out})")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
     python bench/lora_model.py generate --models DIR               # 5 rank-8 PEFT adapters of DIR/base
     python bench/lora_model.py measure --models DIR                # the table for BENCHMARKS.md
 
-`generate` writes PEFT LoRA adapter folders DIR/lora0..lora4 (adapter_config.json + float32
+Layout: DIR/base/ (a Hugging Face folder, from `bench/memory.py generate`) and, written by `generate`,
+DIR/lora0/ .. lora4/. `generate` writes PEFT LoRA adapter folders DIR/lora0..lora4 (adapter_config.json + float32
 adapter_model.safetensors) targeting q, k, v, o, gate, up and down projections of all 22 layers
 (154 modules), A ~ N(0, 1/d_in), B ~ N(0, 0.02^2), lora_alpha 16. `measure` runs, each in a fresh
 process with peak memory sampled: (1) the merge to a PEFT adapter (`--output-format lora`), (2) the merge
@@ -16,15 +17,15 @@ once and times compute only.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from memory import Sampler, _seed
+from specmerge_bench.inputs import Parser, fail, model_family, model_folder
+from specmerge_bench.memory import Sampler
+from specmerge_bench.synthetic import stable_seed
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -42,13 +43,14 @@ def generate(models: Path, adapters: int, rank: int) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for name, (d_out, d_in) in layers.items():
-            g = torch.Generator().manual_seed(_seed("lora", k, name))
+            g = torch.Generator().manual_seed(stable_seed("lora", k, name))
             module = f"base_model.model.{name.removesuffix('.weight')}"
             tensors[f"{module}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) / d_in**0.5
             tensors[f"{module}.lora_B.weight"] = 0.02 * torch.randn(d_out, rank, generator=g)
         save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 16,
-                  "target_modules": list(TARGETS), "base_model_name_or_path": str(models / "base")}  # fmt: skip
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 16, "use_rslora": False,
+                  "fan_in_fan_out": False, "target_modules": list(TARGETS),
+                  "base_model_name_or_path": str(models / "base")}  # fmt: skip
         (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
         print(f"wrote {folder} ({len(layers)} modules, rank {rank})", flush=True)
 
@@ -76,10 +78,10 @@ def measure_layers(models: Path, method: str) -> dict:
     """Factored vs densified method calls on every adapted layer; compute only (factors read beforehand)."""
     import torch
 
-    from specmerge.io.adapters import AdapterExpert, open_adapter
+    from specmerge.io.experts import AdapterExpert
+    from specmerge.io.peft import open_adapter
     from specmerge.io.sources import open_source
-    from specmerge.linalg.lowrank import merge_factored
-    from specmerge.methods.registry import get_method
+    from specmerge.methods import get_method
 
     torch.ones(8) @ torch.ones(8)
     with open_source(models / "base") as base:
@@ -92,7 +94,7 @@ def measure_layers(models: Path, method: str) -> dict:
         for name in names:
             deltas = [e.load_delta(name) for e in experts]
             start = time.perf_counter()
-            fact = merge_factored(method, deltas)
+            fact = get_method(method).merge_factored(deltas)
             factored_s += time.perf_counter() - start
             start = time.perf_counter()
             dense = get_method(method)(torch.stack([d.dense() for d in deltas]))
@@ -103,24 +105,34 @@ def measure_layers(models: Path, method: str) -> dict:
 
 
 def child(args: list[str]) -> dict:
-    done = subprocess.run([sys.executable, __file__, *args], check=True, capture_output=True, text=True)
+    """Run one measuring job of this script in a fresh process; its last stdout line is the JSON result."""
+    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+        fail("lora_model.py", f"the {args[0][1:]} job failed: {lines[-1]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["generate", "measure", "_merge", "_layers"])
-    parser.add_argument("--models", type=Path, required=True)
-    parser.add_argument("--adapters", type=int, default=5)
-    parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--method", default="swudi_a")
-    parser.add_argument("--format", default="lora")
-    parser.add_argument("--out", type=Path)
+    parser = Parser(prog="lora_model.py", description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["generate", "measure", "_merge", "_layers"],
+                        help="generate the adapters, or measure (_merge and _layers are its child jobs)")  # fmt: skip
+    parser.add_argument("--models", type=Path, required=True, help="folder holding base/ (and the lora*/ adapters)")
+    parser.add_argument("--adapters", type=int, default=5, help="adapters to generate (default 5)")
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank of the generated adapters (default 8)")
+    parser.add_argument("--method", default="swudi_a", help="merge method (default swudi_a)")
+    parser.add_argument("--format", default="lora", choices=["lora", "model"], help="output of a _merge job")
+    parser.add_argument("--out", type=Path, help="output folder of a _merge job")
     args = parser.parse_args()
+    if args.adapters < 1 or args.rank < 1:
+        parser.error(f"--adapters and --rank must be at least 1, got {args.adapters} and {args.rank}")
+    model_folder(parser, args.models / "base", "base model")
     common = ["--models", str(args.models), "--method", args.method]
     if args.command == "generate":
         generate(args.models, args.adapters, args.rank)
-    elif args.command == "_merge":
+        return
+    model_family(parser, args.models, "lora", generate="python bench/lora_model.py generate --models DIR")
+    if args.command == "_merge":
         print(json.dumps(measure_merge(args.models, args.out, args.method, args.format)))
     elif args.command == "_layers":
         print(json.dumps(measure_layers(args.models, args.method)))

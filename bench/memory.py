@@ -5,22 +5,25 @@
 
 `generate` streams random weights (TinyLlama-1.1B shapes: hidden 2048, MLP 5632, 22 layers, vocab 32000)
 into sharded safetensors (1 GB shards + index) with the project's ShardWriter, so it needs little
-memory; experts are base + a rank-16 update + small noise on every 2-D weight. `measure` runs each
-job in a child process that samples /proc/self/status every 5 ms after its imports: peak anonymous
-memory (RssAnon: tensors, heap) and peak resident set including file-backed pages (VmRSS: also mmap'd
-checkpoint pages), both minus the values measured after imports, plus the kernel's VmHWM.
+memory; experts are base + a rank-16 update + small noise on every 2-D weight. Layout written and read:
+MODELS/base/ and MODELS/expert0/ .. expert<N-1>/, each a Hugging Face folder (config.json, shards, index).
+`measure` runs each job in a child process that samples /proc/self/status every 5 ms after its imports
+(:class:`specmerge_bench.memory.Sampler`): peak anonymous memory (RssAnon: tensors, heap) and peak resident
+set including file-backed pages (VmRSS: also mmap'd checkpoint pages), both minus the values measured
+after imports, plus the kernel's VmHWM.
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+
+from specmerge_bench.inputs import Parser, fail, model_family
+from specmerge_bench.memory import Sampler
+from specmerge_bench.synthetic import llama_shapes, stable_seed
 
 MODEL = dict(
     hidden_size=2048,
@@ -34,65 +37,14 @@ MODEL = dict(
 )
 
 
-def _status() -> dict[str, int]:
-    values = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("RssAnon", "RssFile", "VmRSS", "VmHWM"):
-                values[key] = int(rest.split()[0]) * 1024
-    return values
-
-
-class Sampler:
-    """Polls /proc/self/status on a thread and keeps the maxima."""
-
-    def __init__(self, period: float = 0.005) -> None:
-        self.period, self.peak, self._stop = period, {}, threading.Event()
-        self.baseline = _status()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for key, value in _status().items():
-                self.peak[key] = max(self.peak.get(key, 0), value)
-            time.sleep(self.period)
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        for key, value in _status().items():
-            self.peak[key] = max(self.peak.get(key, 0), value)
-
-    def result(self) -> dict[str, float]:
-        gib = 2**30
-        return {
-            "peak_anon_above_baseline_gib": (self.peak["RssAnon"] - self.baseline["RssAnon"]) / gib,
-            "peak_rss_above_baseline_gib": (self.peak["VmRSS"] - self.baseline["VmRSS"]) / gib,
-            "peak_file_backed_gib": self.peak["RssFile"] / gib,
-            "vm_hwm_gib": self.peak["VmHWM"] / gib,
-            "baseline_rss_gib": self.baseline["VmRSS"] / gib,
-        }
-
-
-def _seed(*parts: object) -> int:
-    return int.from_bytes(hashlib.blake2b("\0".join(map(str, parts)).encode(), digest_size=8).digest(), "little")
-
-
 def generate(models: Path, experts: int) -> None:
+    """Write MODELS/base and MODELS/expert0..<experts-1> (TinyLlama-1.1B shapes, fp16, 1 GB shards)."""
     import torch
-    import transformers
 
-    from specmerge.io.sources import TensorInfo
+    from specmerge.io.protocol import TensorInfo
     from specmerge.io.writer import ShardWriter
 
-    config = transformers.LlamaConfig(**MODEL, torch_dtype="float16", architectures=["LlamaForCausalLM"])
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in transformers.LlamaForCausalLM(config).state_dict().items()}
+    config, shapes = llama_shapes(MODEL)
     infos = [TensorInfo(name, shape, torch.float16) for name, shape in shapes.items()]
     params, size = sum(i.numel for i in infos) / 1e9, sum(i.nbytes for i in infos) / 1e9
     print(f"{params:.2f}B parameters, {size:.2f} GB per checkpoint")
@@ -100,7 +52,7 @@ def generate(models: Path, experts: int) -> None:
     def base_tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if len(shape) == 1:
             return torch.ones(shape, dtype=torch.float16)
-        g = torch.Generator().manual_seed(_seed("base", name))
+        g = torch.Generator().manual_seed(stable_seed("base", name))
         return (0.02 * torch.randn(shape, generator=g)).half()
 
     for which in ["base", *[f"expert{i}" for i in range(experts)]]:
@@ -111,7 +63,7 @@ def generate(models: Path, experts: int) -> None:
             for name, shape in shapes.items():
                 tensor = base_tensor(name, shape)
                 if which != "base":
-                    g = torch.Generator().manual_seed(_seed(which, name))
+                    g = torch.Generator().manual_seed(stable_seed(which, name))
                     noise = 0.002 * torch.randn(shape, generator=g)
                     if len(shape) == 2:
                         low = torch.randn(shape[0], 16, generator=g) @ torch.randn(16, shape[1], generator=g)
@@ -178,27 +130,42 @@ def workspace_bytes(models: Path) -> tuple[str, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["generate", "measure", "_merge", "_load_all"])
-    parser.add_argument("--models", type=Path, required=True)
-    parser.add_argument("--experts", type=int, default=4)
-    parser.add_argument("--method", default="swudi_a")
-    parser.add_argument("--out", type=Path, default=None)
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["generate", "measure", "_merge", "_load_all"],
+                        help="generate the models, or measure (_merge and _load_all are its child jobs)")  # fmt: skip
+    parser.add_argument("--models", type=Path, required=True, help="folder of base/ and expert0/ .. expert<N-1>/")
+    parser.add_argument("--experts", type=int, default=4, help="experts to generate (default 4)")
+    parser.add_argument("--method", default="swudi_a", help="merge method measured (default swudi_a)")
+    parser.add_argument("--out", type=Path, default=None, help="merge output (default MODELS/merged, replaced)")
     args = parser.parse_args()
+    if args.experts < 0:
+        parser.error(f"--experts must be 0 or more, got {args.experts}")
     if args.command == "generate":
         generate(args.models, args.experts)
-    elif args.command == "_merge":
+        return
+    model_family(parser, args.models, "expert", generate="python bench/memory.py generate --models DIR")
+    if args.command == "_merge":
         print(json.dumps(measure_merge(args.models, args.out, args.method)))
     elif args.command == "_load_all":
         print(json.dumps(measure_load_all(args.models)))
     else:
+        from specmerge.methods import get_method
+
+        try:
+            get_method(args.method)
+        except ValueError as err:  # an unknown name, with a did-you-mean hint
+            parser.error(f"--method: {err}")
         out = args.out or args.models / "merged"
         rows = []
         for job in (["_merge", "--out", str(out), "--method", args.method], ["_load_all"]):
             done = subprocess.run(
                 [sys.executable, __file__, job[0], "--models", str(args.models), *job[1:]],
-                check=True, capture_output=True, text=True,
-            )  # fmt: skip
+                capture_output=True,
+                text=True,
+            )
+            if done.returncode != 0:
+                lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+                fail(parser.prog, f"the {job[0][1:]} job failed: {lines[-1]}")
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         ckpt = checkpoint_bytes(args.models / "base")
         name, work = workspace_bytes(args.models)

@@ -36,11 +36,16 @@ def _fail(message: str) -> None:
 
 
 def _folder_hashes(folder: Path) -> dict[str, str]:
-    return {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.iterdir())
-        if p.is_file() and p.name not in IGNORED
-    }
+    """Every file's SHA-256; an adapter config's base path (a temporary folder) is replaced by a fixed name first."""
+    out = {}
+    for path in sorted(p for p in folder.iterdir() if p.is_file() and p.name not in IGNORED):
+        data = path.read_bytes()
+        if path.name == "adapter_config.json":
+            config = json.loads(data)
+            config["base_model_name_or_path"] = "<base>"
+            data = json.dumps(config, sort_keys=True).encode()
+        out[path.name] = hashlib.sha256(data).hexdigest()
+    return out
 
 
 def _lora_adapters(base: Path, root: Path, n: int = 4, rank: int = 4) -> list[Path]:
@@ -151,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="mode", required=True)
     demo = sub.add_parser("demo", help="hash every method's outputs on the demo models and LoRA adapters")
     demo.add_argument("--out", type=Path, required=True, help="JSON file to write")
+
     acc = sub.add_parser("accuracy", help="hash every accuracy-benchmark candidate's deltas on one seed's experts")
     acc.add_argument("--cache", type=Path, required=True, help="the accuracy benchmark's cache folder")
     acc.add_argument("--seed", type=int, default=0, help="training seed of the experts (default 0)")

@@ -2,7 +2,7 @@
 
     python bench/spectral_profile.py
 
-Same kind of synthetic layers as `specmerge bench speed` (N = 8, float32, CPU). Best of --repeats runs, seconds.
+Same kind of synthetic layers as `specmerge-bench speed` (N = 8, float32, CPU). Best of --repeats runs, seconds.
 Columns: D and C as built (C in the same pass as D when d_out >= d_in, else a product M^T M after);
 the older route for comparison (D alone, then always C = M^T M as a separate product); torch eigh of C; scipy's
 partial eigensolver for only the K kept eigenvectors; the filtered solve.
@@ -10,7 +10,6 @@ partial eigensolver for only the K kept eigenvectors; the filtered solve.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import time
 
@@ -19,14 +18,10 @@ import scipy.linalg
 import torch
 
 from specmerge.linalg.filters import TopK
-from specmerge.methods.spectral import (
-    choose_rank,
-    decompose,
-    filtered_solve,
-    initial_point,
-    nonzero_experts,
-    normal_equation,
-)
+from specmerge.linalg.quadratic import initial_point, nonzero_experts, normal_equation
+from specmerge.linalg.solve import filtered_solve
+from specmerge.linalg.spectrum import choose_rank, decompose
+from specmerge_bench.inputs import Parser
 from specmerge_bench.speed import synthetic_stack
 
 SHAPES = [(768, 768), (3072, 768), (768, 3072)]
@@ -59,9 +54,11 @@ def separate_route(stack: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = Parser(prog="spectral_profile.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="runs per step, the best kept (default 3)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, float32, N=8, best of {args.repeats}\n")
     print("| layer | D and C (as built) | D, then C = M^T M | eigh(C) | scipy eigh, K vectors | filtered solve | K |")
     print("|---|---:|---:|---:|---:|---:|---:|")

@@ -2,9 +2,10 @@
 
     python bench/under_load.py --models /work/benchdata/llama136m --rounds 5
 
-Generates (first run only, ~1.4 GB) a 136M-parameter Llama-shaped model in fp16 (hidden 768, MLP 2048,
-12 layers, vocab 32000, untied embeddings) and four full-rank experts (base + rank-16 update + noise on
-every 2-D weight), then times ``specmerge merge`` of the four experts, each job in a fresh process
+Layout: MODELS/base/ and MODELS/expert0/ .. expert3/ (Hugging Face folders). Generates them (first run
+only, ~1.4 GB; folders already complete are kept) as a 136M-parameter Llama-shaped model in fp16 (hidden
+768, MLP 2048, 12 layers, vocab 32000, untied embeddings) and four full-rank experts (base + rank-16
+update + noise on every 2-D weight), then times ``specmerge merge`` of the four experts, each job in a fresh process
 (interpreter and torch start-up included, as a user sees it), for every method, thread setting and load:
 
 - settings: ``default`` (no option, no OMP_NUM_THREADS), ``--threads 1``, ``--threads 2`` (the count the
@@ -23,7 +24,6 @@ median for each method and load.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -32,6 +32,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from specmerge_bench.inputs import Parser, fail
+from specmerge_bench.synthetic import llama_shapes, stable_seed
 
 MODEL = dict(
     hidden_size=768,
@@ -63,21 +66,12 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"
 
 def generate(models: Path, experts: int = EXPERTS) -> None:
     """Write base/ and expert0..N-1/ under ``models`` (skipped for folders that are already complete)."""
-    import hashlib
-
     import torch
-    import transformers
 
-    from specmerge.io.sources import TensorInfo
+    from specmerge.io.protocol import TensorInfo
     from specmerge.io.writer import ShardWriter
 
-    def seed(*parts: object) -> int:
-        digest = hashlib.blake2b("\0".join(map(str, parts)).encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little")
-
-    config = transformers.LlamaConfig(**MODEL, torch_dtype="float16", architectures=["LlamaForCausalLM"])
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in transformers.LlamaForCausalLM(config).state_dict().items()}
+    config, shapes = llama_shapes(MODEL)
     infos = [TensorInfo(name, shape, torch.float16) for name, shape in shapes.items()]
     print(f"{sum(i.numel for i in infos) / 1e6:.0f}M parameters, {sum(i.nbytes for i in infos) / 1e9:.2f} GB each")
     for which in ["base", *[f"expert{i}" for i in range(experts)]]:
@@ -93,9 +87,11 @@ def generate(models: Path, experts: int = EXPERTS) -> None:
                 if len(shape) == 1:
                     tensor = torch.ones(shape)
                 else:
-                    tensor = 0.02 * torch.randn(shape, generator=torch.Generator().manual_seed(seed("base", name)))
+                    tensor = 0.02 * torch.randn(
+                        shape, generator=torch.Generator().manual_seed(stable_seed("base", name))
+                    )
                 if which != "base":
-                    g = torch.Generator().manual_seed(seed(which, name))
+                    g = torch.Generator().manual_seed(stable_seed(which, name))
                     tensor += 0.002 * torch.randn(shape, generator=g)
                     if len(shape) == 2:
                         low = torch.randn(shape[0], 16, generator=g) @ torch.randn(16, shape[1], generator=g)
@@ -146,7 +142,8 @@ def run_job(models: Path, out: Path, method: str, setting: str, timeout: float) 
         return {"wall": timeout, "seconds": None, "threads": None, "timed_out": True}
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}):\n{stderr[-2000:]}")
+        lines = stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
+        fail("under_load.py", f"specmerge merge -m {method} ({setting}) failed ({proc.returncode}): {lines[-1]}")
     report = json.loads((out / "report.json").read_text())
     return {"wall": wall, "seconds": report["seconds"], "threads": report.get("threads"), "timed_out": False}
 
@@ -187,16 +184,26 @@ def machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", type=Path, default=Path("/work/benchdata/llama136m"))
+    parser = Parser(prog="under_load.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=Path, required=True,
+                        help="folder of base/ and expert0/ .. expert3/ (generated on a first run)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="merge output folder (default: MODELS/merged)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--methods", nargs="+", default=["task_arithmetic", "ties"])
+    parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    parser.add_argument("--methods", nargs="+", default=["task_arithmetic", "ties"], help="merge methods")
     parser.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS, choices=list(SETTINGS))
     parser.add_argument("--loads", nargs="+", default=list(LOADS), choices=list(LOADS))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds after which a job is stopped")
     parser.add_argument("--json", type=Path, help="also write every job's numbers here")
     args = parser.parse_args(argv)
+    if args.models.exists() and not args.models.is_dir():
+        parser.error(f"--models {args.models} is a file; give a folder (the models are generated there)")
+    if args.rounds < 1 or not args.timeout > 0:
+        parser.error(f"--rounds must be at least 1 and --timeout positive, got {args.rounds} and {args.timeout}")
+    from specmerge.methods import all_methods
+
+    unknown = [m for m in args.methods if m not in all_methods()]
+    if unknown:
+        parser.error(f"--methods: unknown {', '.join(unknown)} (`specmerge methods` lists them)")
     generate(args.models)
     print(machine(), flush=True)
     out = args.out or args.models / "merged"

@@ -20,7 +20,7 @@ import torch
 
 import paper_reference
 from specmerge import get_method
-from specmerge.methods.spectral import shared_decompositions
+from specmerge.linalg.solve import shared_decompositions
 
 # The constant first-order estimates with unit constants leave out: the backward errors of eigh(C) and of the
 # products that form C and D, measured at 0.2-4 eps times the matrix's norm on these shapes (tail eigenvalues

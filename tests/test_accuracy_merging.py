@@ -66,12 +66,12 @@ def test_every_method_is_linear_in_its_scale(name):
 
 
 def test_selection_uses_val_only_and_scores_are_cached(bert, tmp_path, monkeypatch):
-    from specmerge_bench.accuracy import bench
+    from specmerge_bench.accuracy import bench, report, rows
 
     _, _, base, experts = bert
-    monkeypatch.setattr(bench, "SWUDI_R", (0.5, 0.8))
-    monkeypatch.setattr(bench, "SWUDI_T", (300.0,))
-    monkeypatch.setattr(bench, "WUDI_STEPS", (2, 3))
+    small = rows.method_rows(grids={"swudi": {"rank_ratio": (0.5, 0.8), "t": (300.0,)}, "exponential": {"t": (300.0,)}})
+    monkeypatch.setattr(bench, "method_rows", lambda: small)
+    monkeypatch.setattr(rows, "WUDI_STEPS", (2, 3))
     tasks = dict(zip(KEYS, experts, strict=True))
     name = "encoder.layer.0.attention.self.query.weight"
     calls = []
@@ -86,16 +86,16 @@ def test_selection_uses_val_only_and_scores_are_cached(bert, tmp_path, monkeypat
     for label, row in result["rows"].items():
         best = max(
             (sum(cache.scores[f"{c.key}|{s}|val"].values()) / 3, s)
-            for r in bench.method_rows() + bench.step_rows() if r.label == label
+            for r in small + rows.step_rows() if r.label == label
             for c in r.candidates for s in bench.SCALES
         )  # fmt: skip
         assert row["val_mean"] == best[0], label
-    summary = bench.summarize([result, result])
+    summary = report.summarize([result, result])
     assert summary["rows"]["ties"]["average"]["std"] == 0.0
-    assert "| TIES (top 20 %) |" in bench.markdown(summary)
+    assert "| TIES (top 20 %) |" in report.markdown(summary)
     n = len(calls)
     again = bench.evaluate_seed(base, tasks, score, bench.ScoreCache(tmp_path / "scores.json"), progress=False)
     assert len(calls) == n  # every score came from the cache
     for label, row in again["rows"].items():
         assert {**row, "seconds": None} == {**result["rows"][label], "seconds": None}
-    assert [p.name for p in bench.plots(summary, tmp_path)] == ["accuracy.png", "wudi_steps.png"]
+    assert [p.name for p in report.plots(summary, tmp_path)] == ["accuracy.png", "wudi_steps.png"]

@@ -10,6 +10,7 @@ import torch
 import transformers
 
 import specmerge_bench.accuracy.data as data
+import specmerge_bench.accuracy.experts as stages
 import specmerge_bench.accuracy.model as am
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -166,7 +167,7 @@ def test_evaluate_a_state_dict_equals_evaluating_the_model(world):
 
 def test_build_experts_caches_every_stage(world, tiny_model_dir, monkeypatch):
     kwargs = {"steps": 3, "lr": 1e-3, "batch_size": 8, "model_dir": tiny_model_dir, "manifest": world["manifest"]}
-    first = am.build_experts(world["cache"], seeds=(0,), **kwargs)
+    first = stages.build_experts(world["cache"], seeds=(0,), **kwargs)
     assert first["cached"] == {"tokens": False, "probes": False}
     assert not first["experts"][0]["colour"]["cached"]
     for name in ("colour", "shape"):
@@ -180,11 +181,11 @@ def test_build_experts_caches_every_stage(world, tiny_model_dir, monkeypatch):
         raise AssertionError("a cached stage ran again")
 
     # Each stage reads splits, fits with L-BFGS, trains with AdamW or writes safetensors when it runs.
-    monkeypatch.setattr(data, "read_split", refuse)
+    monkeypatch.setattr(stages, "read_split", refuse)
     monkeypatch.setattr(torch.optim, "LBFGS", refuse)
     monkeypatch.setattr(torch.optim, "AdamW", refuse)
     monkeypatch.setattr(safetensors.torch, "save_file", refuse)
-    again = am.build_experts(world["cache"], seeds=(0,), **kwargs)
+    again = stages.build_experts(world["cache"], seeds=(0,), **kwargs)
     assert again["cached"] == {"tokens": True, "probes": True}
     assert again["experts"][0]["shape"]["cached"]
     assert again["experts"][0]["shape"]["test"] == first["experts"][0]["shape"]["test"]

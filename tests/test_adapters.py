@@ -8,9 +8,8 @@ import torch
 import transformers
 
 from specmerge import get_method
-from specmerge.io.adapters import AdapterError, is_adapter, open_adapter
+from specmerge.io.peft import AdapterError, is_adapter, open_adapter
 from specmerge.io.sources import open_source
-from specmerge.linalg.lowrank import merge_factored
 
 
 def tiny_llama(seed=0, hidden=32):
@@ -98,12 +97,12 @@ def test_factored_merge_of_adapters_equals_dense_merge_of_merged_models(tmp_path
         exact = torch.stack([a.load(name).to(torch.device("cpu"), torch.float64).dense() for a in adapters])
         for method in ("swudi_a", "swudi", "closed_form"):
             dense = get_method(method)(exact if method == "closed_form" else rounded).delta
-            factored = merge_factored(method, [a.load(name) for a in adapters], dtype=torch.float64).dense()
+            factored = get_method(method).merge_factored([a.load(name) for a in adapters], dtype=torch.float64).dense()
             assert float((factored - dense).norm() / dense.norm()) < 1e-4, (name, method)
 
 
 def _info(name, tensor):
-    from specmerge.io.sources import TensorInfo
+    from specmerge.io.protocol import TensorInfo
 
     return TensorInfo(name, tuple(tensor.shape), tensor.dtype)
 

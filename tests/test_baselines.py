@@ -6,25 +6,11 @@ import pytest
 import torch
 
 import specmerge
-from specmerge.methods.baselines import (
-    dare,
-    dare_mask,
-    dare_task_arithmetic,
-    dare_ties,
-    disjoint_mean,
-    elect_sign,
-    iso_c,
-    kth_largest,
-    polar_factor,
-    task_arithmetic,
-    ties,
-    top_k_count,
-    top_k_mask,
-    trim_by_magnitude,
-    tsv_factors,
-    tsv_m,
-    weight_average,
-)
+from specmerge.linalg.topk import keep_mask, top_k_count, top_k_rule
+from specmerge.methods import sparse
+from specmerge.methods.linear import task_arithmetic, weight_average
+from specmerge.methods.sparse import dare, dare_mask, dare_task_arithmetic, dare_ties, disjoint_mean, elect_sign, ties
+from specmerge.methods.svd import iso_c, polar_factor, tsv_factors, tsv_m
 
 D64 = torch.float64
 
@@ -54,12 +40,21 @@ TIES_MERGED = torch.tensor([3.25, 0.0, 3.0, -3.0, -5.5, 0.0], dtype=D64)
 # Without the trim (density 1): sums 5.5, -1, 3, 0.8, -7.5, 0.8.
 TIES_UNTRIMMED = torch.tensor([3.25, -2.5, 2.5, 1.9, -5.5, 0.8 / 3], dtype=D64)
 
-ELEMENTWISE = ["weight_average", "task_arithmetic", "ties", "dare_task_arithmetic", "dare_ties"]
+ELEMENTWISE = ["weight_average", "task_arithmetic", "ties", "dare_task_arithmetic", "dare_ties", "breadcrumbs"]
 MATRIX = ["tsv_m", "iso_c"]
 
 
 def random_stack(*shape: int, seed: int = 0, dtype: torch.dtype = D64) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def reference_trim(tau: torch.Tensor, density: float) -> torch.Tensor:
+    """The TIES trim written plainly: per expert the k = ceil(density * numel) largest |tau_i| by a stable sort
+    (equal magnitudes: first in storage order first), the rest zero. Independent of the radix select TIES uses."""
+    flat = tau.reshape(tau.shape[0], -1)
+    k = top_k_count(density, flat.shape[1])
+    order = torch.sort(flat.abs(), dim=1, descending=True, stable=True).indices[:, :k]
+    return torch.zeros_like(flat).scatter_(1, order, flat.gather(1, order)).reshape(tau.shape)
 
 
 # --- weight average and task arithmetic ----------------------------------------------------------
@@ -92,7 +87,7 @@ def test_defaults():
 
 
 def test_ties_steps_golden():
-    trimmed = trim_by_magnitude(TIES_TAU, 0.5)
+    trimmed = reference_trim(TIES_TAU, 0.5)
     torch.testing.assert_close(trimmed, TIES_TRIMMED, rtol=0, atol=0)
     sign = elect_sign(trimmed)
     torch.testing.assert_close(sign, TIES_SIGN, rtol=0, atol=0)
@@ -113,7 +108,9 @@ def test_ties_trim_is_per_expert_and_per_tensor_whatever_the_shape():
     # Scaling one expert by 100 must not change which of its own entries survive.
     scaled = TIES_TAU.clone()
     scaled[0] *= 100
-    torch.testing.assert_close(trim_by_magnitude(scaled, 0.5)[1:], TIES_TRIMMED[1:], rtol=0, atol=0)
+    torch.testing.assert_close(reference_trim(scaled, 0.5)[1:], TIES_TRIMMED[1:], rtol=0, atol=0)
+    for i in range(3):  # one expert alone: its sign is elected everywhere, so TIES returns its trim
+        torch.testing.assert_close(ties(scaled[i : i + 1], density=0.5).delta, reference_trim(scaled, 0.5)[i])
 
 
 def test_top_k_count():
@@ -121,9 +118,9 @@ def test_top_k_count():
     assert top_k_count(0.2, 11) == 3
     assert top_k_count(1.0, 5) == 5
     assert top_k_count(1e-9, 5) == 1
-    for bad in (0.0, -0.1, 1.5):
-        with pytest.raises(ValueError, match="density"):
-            top_k_count(bad, 10)
+    for bad in (0.0, -0.1, 1.5):  # the bound is the parameter's annotation, checked when the method is called
+        with pytest.raises(ValueError, match="parameter 'density'"):
+            ties(TIES_TAU, density=bad)
 
 
 def test_ties_does_not_mutate_input():
@@ -216,13 +213,10 @@ def test_dare_methods_use_the_dare_stack():
 
 def test_dare_validates_inputs():
     tau = random_stack(2, 5, seed=6)
-    for bad in (-0.1, 1.0, 1.5):
-        with pytest.raises(ValueError, match="drop_rate"):
-            dare(tau, bad, 0, "w")
-        with pytest.raises(ValueError, match="drop_rate"):
-            dare_mask((5,), bad, 0, "w", "a")
-        with pytest.raises(ValueError, match="drop_rate"):
-            specmerge.get_method("dare_ties")(tau, drop_rate=bad)
+    for bad in (-0.1, 1.0, 1.5):  # the bound is the parameter's annotation, checked when the method is called
+        for method in (dare_task_arithmetic, dare_ties):
+            with pytest.raises(ValueError, match="parameter 'drop_rate'"):
+                method(tau, drop_rate=bad)
     with pytest.raises(ValueError, match="expert keys"):
         dare(tau, 0.5, 0, "w", ["only_one"])
 
@@ -404,7 +398,7 @@ def test_tsv_m_keeps_at_most_the_rank_of_each_task():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
-def test_kth_largest_is_exact_with_many_ties(dtype):
+def test_top_k_is_exact_with_many_ties(dtype):
     g = torch.Generator().manual_seed(0)
     # 16-bit task vectors: few distinct magnitudes, so the threshold sits inside a run of equal values
     values = (1e-3 * torch.randn(20_000, generator=g)).to(torch.float16).to(dtype).abs()
@@ -412,18 +406,24 @@ def test_kth_largest_is_exact_with_many_ties(dtype):
     values[7] = float("inf")
     for k in (1, 2, 137, 4000, 19_993, 20_000):
         expected = values.double().sort(descending=True).values[k - 1]
-        assert float(kth_largest(values, k)) == float(expected), k
-        keep = top_k_mask(values, k)
+        rule = top_k_rule(values, k)
+        assert rule[0] == float(expected), k
+        keep = keep_mask(values, rule)
         assert int(keep.sum()) == k
         assert bool((values[keep] >= expected.to(dtype)).all()) and bool((values[~keep] <= expected.to(dtype)).all())
+        # the real method path: TIES on one expert returns exactly its trim
+        computed = values.float() if values.element_size() == 2 else values  # the method computes 16-bit in float32
+        density = k / values.numel()
+        assert torch.equal(ties(values[None], density=density).delta, reference_trim(computed[None], density)[0])
     with pytest.raises(ValueError, match="k must be in"):
-        kth_largest(values, 0)
+        top_k_rule(values, 0)
 
 
-def test_top_k_mask_breaks_ties_in_storage_order():
+def test_ties_trim_breaks_ties_in_storage_order():
     values = torch.tensor([1.0, 3.0, 2.0, 2.0, 0.5, 2.0, 2.0])
-    assert top_k_mask(values, 3).tolist() == [False, True, True, True, False, False, False]
-    assert top_k_mask(values, 7).all()
+    assert keep_mask(values, top_k_rule(values, 3)).tolist() == [False, True, True, True, False, False, False]
+    assert ties(values[None], density=3 / 7).delta.tolist() == [0.0, 3.0, 2.0, 2.0, 0.0, 0.0, 0.0]
+    assert torch.equal(ties(values[None], density=1.0).delta, values)
 
 
 def test_disjoint_mean_matches_its_definition():
@@ -437,12 +437,10 @@ def test_disjoint_mean_matches_its_definition():
 
 @pytest.mark.parametrize("density", [0.2, 0.5, 1.0])
 def test_chunked_ties_equals_the_whole_tensor_steps(density, monkeypatch):
-    import specmerge.methods.baselines as baselines
-
-    monkeypatch.setattr(baselines, "TIES_CHUNK", 100)  # many chunks, a ragged last one, ties across chunks
+    monkeypatch.setattr(sparse, "TIES_CHUNK", 100)  # many chunks, a ragged last one, ties across chunks
     g = torch.Generator().manual_seed(2)
     tau = torch.randint(-3, 4, (4, 37, 29), generator=g).float()  # the threshold's ties span several chunks
-    trimmed = trim_by_magnitude(tau, density)
+    trimmed = reference_trim(tau, density)
     expected = disjoint_mean(trimmed.reshape(4, -1), elect_sign(trimmed.reshape(4, -1))).reshape(37, 29)
     result = ties(tau, density=density, scale=0.5)
     torch.testing.assert_close(result.delta, 0.5 * expected, rtol=0, atol=0)

@@ -36,7 +36,7 @@ def test_experts_change_linear_weights_in_their_own_subspaces(family):
 
 
 def test_demo_table_and_command(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(demo, "METHODS", ["task_arithmetic", "swudi_a"])
+    monkeypatch.setattr(demo, "demo_methods", lambda: ["task_arithmetic", "swudi_a"])
     assert main(["demo", "--workdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "swudi_a" in out and "task_arithmetic" in out and "own-input interference" in out

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from specmerge.methods.registry import get_method
-from specmerge.pipeline import executor
+from specmerge.io.task_vectors import Dense, Zero
+from specmerge.methods import get_method
+from specmerge.pipeline import compute
 from specmerge.pipeline.plan import TensorPlan
 
 
@@ -25,13 +26,13 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(37, 29), (1000,), (3, 5, 7)])
 def test_chunked_linear_merge_equals_the_stacked_route(action, method, params, dtype, shape, monkeypatch):
-    monkeypatch.setattr(executor, "CHUNK_ELEMENTS", 64)  # many chunks and a ragged last one
+    monkeypatch.setattr(compute, "CHUNK_ELEMENTS", 64)  # many chunks and a ragged last one
     g = torch.Generator().manual_seed(0)
     base = torch.randn(shape, generator=g).to(dtype)
     experts = [(base.float() + 1e-2 * torch.randn(shape, generator=g)).to(dtype) for _ in range(4)]
     entry = plan(action, method, params, shape, dtype)
-    merged, diagnostics = executor.merge_tensor(
-        entry, base, experts, device=torch.device("cpu"), compute_dtype=torch.float32
+    merged, diagnostics = compute.merge_tensor(
+        entry, base, [Dense(e) for e in experts], device=torch.device("cpu"), compute_dtype=torch.float32
     )
     stack = torch.stack([e.float() - base.float() for e in experts])
     if action == "average":
@@ -52,12 +53,12 @@ def test_chunked_linear_merge_equals_the_stacked_route(action, method, params, d
 def test_other_methods_and_low_rank_items_keep_the_generic_route():
     base = torch.zeros(4, 4)
     ties = plan("merge", "ties", {"density": 0.2, "scale": 1.0}, (4, 4), torch.float32)
-    assert executor._linear_coefficient(ties, 2) is None
+    assert compute.linear_coefficient(ties, 2) is None
     ta = plan("merge", "task_arithmetic", {"scale": 0.3}, (4, 4), torch.float32)
-    assert executor._linear_coefficient(ta, 2) == 0.3 and executor._linear_coefficient(ta, 0) is None
+    assert compute.linear_coefficient(ta, 2) == 0.3 and compute.linear_coefficient(ta, 0) is None
     wa = plan("merge", "weight_average", {"scale": 1.0}, (4, 4), torch.float32)
-    assert executor._linear_coefficient(wa, 4) == 0.25
-    merged, diagnostics = executor.merge_tensor(
-        ta, base, [torch.ones(4, 4), None], device=torch.device("cpu"), compute_dtype=torch.float32
+    assert compute.linear_coefficient(wa, 4) == 0.25
+    merged, diagnostics = compute.merge_tensor(
+        ta, base, [Dense(torch.ones(4, 4)), Zero((4, 4))], device=torch.device("cpu"), compute_dtype=torch.float32
     )  # an adapter that leaves this tensor alone: the generic route
     assert torch.allclose(merged, torch.full((4, 4), 0.3)) and diagnostics["route"] == "dense"

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from specmerge.errors import SpecmergeError
-from specmerge.io.adapters import open_adapter
+from specmerge.io.peft import open_adapter
 from specmerge.io.sources import open_source
 from specmerge.pipeline.recipe import Recipe, load_recipe
 
@@ -279,3 +279,49 @@ def test_recipe_from_structured_data(data) -> None:
     import yaml
 
     assert Recipe.from_dict(yaml.safe_load(recipe.to_yaml())) == recipe
+
+
+# The command line: every value typed after a generated flag (and every `-p key=value` pair, every inspect
+# method spec) is either accepted as a recipe would accept it or refused with one line and exit status 2.
+MERGE_FLAGS = ["--dtype", "--device", "--shard-size", "--output-format", "--max-rank", "--non-matrix"]
+MERGE_FLAGS += ["--compute-dtype", "--method", "--param", "--expert-key"]
+typed_text = st.text(max_size=14) | st.sampled_from(["", "null", "true", ".inf", "[1", "{a: 1}", "5GB", "scale=0.5"])
+
+
+@FUZZ
+@given(flags=st.lists(st.tuples(st.sampled_from(MERGE_FLAGS), typed_text), max_size=4))
+def test_command_line_values(flags) -> None:
+    import contextlib
+    import io
+
+    from specmerge.cli import main
+    from specmerge.pipeline import api
+
+    seen = []
+    argv = ["merge", "base", "expert", "-o", "out", *(f"{flag}={value}" for flag, value in flags)]
+    stderr = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(None):
+        patch.setattr(api, "run_recipe", lambda recipe, output, **kw: seen.append(recipe) or _no_report(recipe))
+        status = main(argv)
+    err = stderr.getvalue()
+    if status == 0:
+        assert len(seen) == 1 and not err
+    else:
+        assert status == 2 and err.startswith("specmerge: error: ") and err.count("\n") == 1, err
+
+
+def _no_report(recipe: Recipe) -> dict:
+    return {"tensors": [], "method": recipe.method, "seconds": 0.0}
+
+
+@FUZZ
+@given(spec=st.text(max_size=30) | st.sampled_from(["swudi:t=", "ties:density=2", "swudi_a:rule=x,", "x:y"]))
+def test_inspect_method_specs(spec: str) -> None:
+    from specmerge.diagnostics.options import InspectOptions
+
+    try:
+        options = InspectOptions(methods=(spec,))
+    except SpecmergeError as err:
+        assert "\n" not in str(err)
+        return
+    assert options.methods == (spec,)

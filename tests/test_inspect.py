@@ -12,13 +12,19 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+import specmerge
 from conftest import low_rank_plus_noise
 from specmerge import get_method
 from specmerge.cli import main
+from specmerge.diagnostics import optimizer_filter
 from specmerge.diagnostics import statistics as diagnostics
-from specmerge.diagnostics.inspect import parse_method_spec
+from specmerge.diagnostics.method_specs import default_methods, parse_method_spec
+from specmerge.diagnostics.run import inspect_model
 from specmerge.linalg.filters import Landweber, TopK
-from specmerge.methods.spectral import Spectrum, decompose, filtered_solve, initial_point, normal_equation
+from specmerge.linalg.quadratic import initial_point, normal_equation
+from specmerge.linalg.solve import filtered_solve
+from specmerge.linalg.spectrum import Spectrum, decompose
+from specmerge.methods import LayerResult, all_methods, registry
 from tiny_models import build_family
 
 
@@ -158,14 +164,14 @@ def test_filter_family_shapes():
 def problem():
     stack = low_rank_plus_noise(4, 10, 16, rank=3, noise=0.1)
     eq = normal_equation(stack)
-    return diagnostics.dense_problem(eq, decompose(eq), initial_point(stack, "sum"))
+    return optimizer_filter.dense_problem(eq, decompose(eq), initial_point(stack, "sum"))
 
 
 def test_gradient_descent_filter_is_landweber(problem):
     lr = 0.25 / float(problem.eigenvalues[0])
-    fits = diagnostics.optimizer_filter_trace(problem, optimizer="sgd", lr=lr, checkpoints=[1, 5, 20, 100])
+    fits = optimizer_filter.optimizer_filter_trace(problem, optimizer="sgd", lr=lr, checkpoints=[1, 5, 20, 100])
     assert [f.step for f in fits] == [1, 5, 20, 100]
-    lam = problem.eigenvalues[diagnostics.fit_directions(problem)]
+    lam = problem.eigenvalues[optimizer_filter.fit_directions(problem)]
     for fit in fits:
         torch.testing.assert_close(fit.h, Landweber(2 * lr, fit.step)(lam), rtol=0, atol=1e-10)
         assert fit.r2_landweber >= 0.9999 and fit.rmse_landweber < 1e-8
@@ -175,21 +181,21 @@ def test_gradient_descent_filter_is_landweber(problem):
 
 def test_saturated_filter_has_no_r_squared():
     flat = torch.ones(20, dtype=torch.float64)
-    assert math.isnan(diagnostics.r_squared(flat + 1e-9 * torch.randn(20, dtype=torch.float64), flat))
-    assert diagnostics.rmse(flat, flat) == 0.0
+    assert math.isnan(optimizer_filter.r_squared(flat + 1e-9 * torch.randn(20, dtype=torch.float64), flat))
+    assert optimizer_filter.rmse(flat, flat) == 0.0
 
 
 def test_empirical_filter_recovers_a_planted_filter(problem):
     gains = torch.linspace(0.9, 0.1, problem.eigenvalues.numel(), dtype=torch.float64)
     tau = problem.tau_init + (problem.residual_projections() * (gains / problem.eigenvalues)) @ problem.Q.T
-    torch.testing.assert_close(diagnostics.empirical_filter(problem, tau), gains)
+    torch.testing.assert_close(optimizer_filter.empirical_filter(problem, tau), gains)
 
 
 def test_exponential_fit_recovers_t_and_adam_is_not_exactly_a_filter(problem):
     lam = problem.eigenvalues
-    fit = diagnostics.fit_exponential(lam, 1 - torch.exp(-3.7 * lam))
+    fit = optimizer_filter.fit_exponential(lam, 1 - torch.exp(-3.7 * lam))
     assert fit.value == pytest.approx(3.7, rel=1e-6) and fit.r2 == pytest.approx(1.0) and fit.rmse < 1e-8
-    adam = diagnostics.optimizer_filter_trace(problem, optimizer="adam", lr=1e-2, checkpoints=[30])[0]
+    adam = optimizer_filter.optimizer_filter_trace(problem, optimizer="adam", lr=1e-2, checkpoints=[30])[0]
     assert adam.r2_exponential < 0.9999  # Adam's sign-like steps are not a spectral filter exactly
 
 
@@ -201,19 +207,22 @@ def test_factored_problem_equals_dense_problem():
     deltas = [LoraDelta(torch.randn(14, r, generator=g), torch.randn(r, 30, generator=g), 0.5) for r in (2, 3, 4)]
     P, R, cores = factor_cores(deltas, torch.float64)
     core_eq = normal_equation(cores)
-    factored = diagnostics.factored_problem(P, R, core_eq, decompose(core_eq, (14, 30)), initial_point(cores, "sum"))
+    factored = optimizer_filter.factored_problem(
+        P, R, core_eq, decompose(core_eq, (14, 30)), initial_point(cores, "sum")
+    )
     dense_stack = torch.stack([d.dense() for d in deltas]).double()
     dense_eq = normal_equation(dense_stack)
-    dense = diagnostics.dense_problem(dense_eq, decompose(dense_eq), initial_point(dense_stack, "sum"))
+    dense = optimizer_filter.dense_problem(dense_eq, decompose(dense_eq), initial_point(dense_stack, "sum"))
     torch.testing.assert_close(factored.eigenvalues, dense.eigenvalues[: factored.eigenvalues.numel()])
     X = torch.randn(14, 30, dtype=torch.float64, generator=g)
     torch.testing.assert_close(factored.times_C(X), dense.times_C(X))
     lr = 0.25 / float(dense.eigenvalues[0])
-    a = diagnostics.optimizer_filter_trace(factored, optimizer="adam", lr=1e-2, checkpoints=[10])[0]
-    b = diagnostics.optimizer_filter_trace(dense, optimizer="adam", lr=1e-2, checkpoints=[10])[0]
+    a = optimizer_filter.optimizer_filter_trace(factored, optimizer="adam", lr=1e-2, checkpoints=[10])[0]
+    b = optimizer_filter.optimizer_filter_trace(dense, optimizer="adam", lr=1e-2, checkpoints=[10])[0]
     torch.testing.assert_close(a.h, b.h[: a.h.numel()], rtol=1e-6, atol=1e-8)
     assert (
-        diagnostics.optimizer_filter_trace(factored, optimizer="sgd", lr=lr, checkpoints=[7])[0].r2_landweber > 0.9999
+        optimizer_filter.optimizer_filter_trace(factored, optimizer="sgd", lr=lr, checkpoints=[7])[0].r2_landweber
+        > 0.9999
     )
 
 
@@ -329,3 +338,47 @@ def test_method_specs_are_validated_before_reading():
         parse_method_spec("swudy")
     with pytest.raises(ValueError, match="rank_ratio"):
         parse_method_spec("swudi:rank_ratio=2")
+
+
+# ---------------------------------------------------------------------------------------------
+# The default method list comes from the registry
+
+
+def _half_sum(task_vectors: torch.Tensor, *, scale: float = 0.5) -> LayerResult:
+    """A plugin for the tests: scale times the sum of the task vectors.
+
+    Args:
+        scale: factor on the sum.
+    """
+    return LayerResult(scale * task_vectors.sum(dim=0), {})
+
+
+@pytest.fixture
+def plugins(monkeypatch):
+    """Two methods registered the way a plugin would be (one featured and exact on cores, one not featured),
+    removed from the registry after the test."""
+    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
+    featured = specmerge.register("half_sum", citation="test", needs_matrix=False, factored=True)(_half_sum)
+    hidden = specmerge.register("half_sum_hidden", citation="test", needs_matrix=False, factored=True, featured=False)(
+        _half_sum
+    )
+    return featured, hidden
+
+
+def test_default_methods_are_the_featured_closed_form_merges():
+    featured = [name for name, m in all_methods().items() if m.featured and m.factored]
+    assert default_methods() == tuple(featured)
+    assert {"closed_form", "swudi", "swudi_a", "tsv_m", "iso_c", "task_arithmetic", "weight_average"} <= set(featured)
+    assert not {"wudi_reference", "wudi", "ties"} & set(default_methods())  # a reference; no factored form
+
+
+def test_a_registered_method_is_inspected_by_default(plugins, bert, tmp_path):
+    assert default_methods()[-1] == "half_sum" and "half_sum_hidden" not in default_methods()
+    base, experts = bert
+    summary = inspect_model(base, experts, tmp_path / "r", progress=False, plots=False, wudi=False, threads=1)
+    assert tuple(summary["options"]["methods"]) == default_methods()
+    rows = read_csv(tmp_path / "r" / "layers.csv")
+    weights, first = load_file(base / "model.safetensors"), rows[0]["name"]
+    stack = torch.stack([load_file(e / "model.safetensors")[first] for e in experts]) - weights[first]
+    assert float(rows[0]["norm[half_sum]"]) == pytest.approx(float((0.5 * stack.sum(dim=0)).norm()), rel=1e-5)
+    assert "norm[half_sum_hidden]" not in rows[0]

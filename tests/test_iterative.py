@@ -10,19 +10,18 @@ import torch
 
 import specmerge
 from specmerge.linalg.filters import Landweber
-from specmerge.methods.iterative import (
-    autograd_gradient,
-    descend,
-    optmerge,
-    optmerge_lora,
+from specmerge.linalg.optimize import autograd_gradient, descend, quadratic_gradient
+from specmerge.linalg.quadratic import (
+    initial_point,
+    nonzero_experts,
+    normal_equation,
     proxy_equation,
     proxy_loss,
     proxy_rank,
-    quadratic_gradient,
-    wudi,
-    wudi_reference,
 )
-from specmerge.methods.spectral import decompose, filtered_solve, initial_point, nonzero_experts, normal_equation
+from specmerge.linalg.solve import filtered_solve
+from specmerge.linalg.spectrum import decompose
+from specmerge.methods.wudi import optmerge, optmerge_lora, wudi, wudi_reference
 
 METHODS = ["wudi", "wudi_reference", "optmerge", "optmerge_lora"]
 FULL_RANK = (3, 12, 16)  # N d_out = 36 >= d_in: C is 16 x 16 of full rank
@@ -212,9 +211,9 @@ def test_optmerge_proxies_have_rank_k_and_only_optmerge_centres():
     k = 4  # max(1, min(12, 16) // 3)
     for centre in (True, False):
         eq = proxy_equation(stack, centre=centre)
-        assert eq.rank == k
-        assert [int(torch.linalg.matrix_rank(f)) for f in eq.factors] == [k, k, k]
-        grams = eq.factors.transpose(1, 2) @ eq.factors  # P_i^T P_i
+        assert eq.proxy_rank == k
+        assert [int(torch.linalg.matrix_rank(f)) for f in eq.proxies] == [k, k, k]
+        grams = eq.proxies.transpose(1, 2) @ eq.proxies  # P_i^T P_i
         for want_centre in (True, False):
             p = explicit_proxies(stack, k, want_centre)
             matches = torch.allclose(grams, p.transpose(1, 2) @ p, rtol=1e-10, atol=1e-10)

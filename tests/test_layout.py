@@ -16,20 +16,20 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from specmerge.diagnostics.inspect import inspect_model
+from specmerge.diagnostics.run import inspect_model
 from specmerge.io.layout import (
     CONV1D_LAYOUT,
     LayoutError,
     conv1d_modules,
     stored_in_out,
-    transpose_item,
     transposed_weights,
 )
-from specmerge.io.sources import TensorInfo
+from specmerge.io.protocol import TensorInfo
+from specmerge.io.task_vectors import LowRank
 from specmerge.linalg.lowrank import LoraDelta
-from specmerge.methods.registry import get_method
+from specmerge.methods import get_method
 from specmerge.pipeline.api import merge
-from specmerge.pipeline.executor import merged_delta
+from specmerge.pipeline.compute import merged_delta
 from specmerge.pipeline.plan import TensorPlan
 
 EPS = torch.finfo(torch.float64).eps
@@ -301,8 +301,8 @@ def test_factored_route_transposes_low_rank_deltas():
     g = torch.Generator().manual_seed(1)
     f64 = {"generator": g, "dtype": torch.float64}
     linear = [LoraDelta(torch.randn(12, 2, **f64), torch.randn(2, 7, **f64), 0.5) for _ in range(3)]
-    stored = [transpose_item(d) for d in linear]  # what AdapterExpert gives for fan_in_fan_out: (in, out)
-    assert stored[0].shape == (7, 12)
+    stored = [LowRank(d).transposed() for d in linear]  # what AdapterExpert gives for fan_in_fan_out: (in, out)
+    assert stored[0].delta.shape == (7, 12)
     entry = TensorPlan("h.0.mlp.c_fc.weight", (7, 12), torch.float64, "merge", "swudi_a", {}, "2-D", transposed=True)
     delta, diagnostics = merged_delta(entry, None, stored, device=torch.device("cpu"), compute_dtype=torch.float64)
     assert diagnostics["route"] == "factored" and diagnostics["layout"] == CONV1D_LAYOUT

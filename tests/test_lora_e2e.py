@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from specmerge.cli import main
 from specmerge.pipeline.api import merge
-from tiny_models import build_family
+from tiny_models import build_family, save_adapter
 
 KEYS = ["a0", "a1", "a2"]
 ADAPTERS = [  # mismatched ranks, rsLoRA, a rank pattern, different target modules
@@ -32,31 +32,13 @@ def llama_config(layers: int = 2, hidden: int = 32) -> transformers.LlamaConfig:
     )  # fmt: skip
 
 
-def save_adapter(base_dir, folder, seed, config=None, **lora):
-    """A random (non-zero B) PEFT adapter of the model in ``base_dir``; also saves its merge_and_unload model."""
-    model = (
-        transformers.LlamaForCausalLM(config)
-        if config
-        else transformers.LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    )
-    torch.manual_seed(seed)
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **lora))
-    with torch.no_grad():
-        for name, p in wrapped.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.2)
-    wrapped.save_pretrained(folder)
-    wrapped.merge_and_unload().save_pretrained(folder.parent / f"{folder.name}-merged")
-    return folder
-
-
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     torch.manual_seed(0)
     base = root / "base"
     transformers.LlamaForCausalLM(llama_config()).save_pretrained(base)
-    adapters = [save_adapter(base, root / f"a{i}", seed=10 + i, **lora) for i, lora in enumerate(ADAPTERS)]
+    adapters = [save_adapter(base, root / f"a{i}", 10 + i, with_merged=True, **lora) for i, lora in enumerate(ADAPTERS)]
     merged = [root / f"a{i}-merged" for i in range(len(ADAPTERS))]
     _, full = build_family(root, "llama", n_experts=1, seed=7)  # a full fine-tune of another tiny Llama...
     full_expert = root / "full"  # ...re-based: the base above plus that model's deltas

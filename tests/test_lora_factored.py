@@ -16,8 +16,8 @@ import torch
 
 from float32_sweep import BACKWARD_ERROR, first_order_error
 from specmerge import get_method
-from specmerge.linalg.lowrank import LoraDelta, factor_cores, merge_factored
-from specmerge.methods.baselines import singular_value_floor, tsv_rank
+from specmerge.linalg.lowrank import LoraDelta, factor_cores, singular_value_floor
+from specmerge.methods.svd import tsv_rank
 
 SPECTRAL = [
     ("swudi", {}),
@@ -108,7 +108,7 @@ def test_factored_equals_dense(n, r, d_out, d_in, rslora, method, params, dtype)
     experts = adapters(n, r, d_out, d_in, rslora, dtype)
     dense_stack = torch.stack([e.dense() for e in experts])
     dense = get_method(method)(dense_stack, **params)
-    factored = merge_factored(method, experts, **params)
+    factored = get_method(method).merge_factored(experts, **params)
     eps = torch.finfo(dtype).eps
     # e.g. swudi_a participation on (4, 3, 20, 90): K = 10 cuts between lambda = 0.14933 and 0.149234, an
     # eigengap of 6e-4 relative; the float32 result is 1.6e-4 from the exact one, and no float32 code does better
@@ -128,7 +128,7 @@ def test_factored_equals_dense(n, r, d_out, d_in, rslora, method, params, dtype)
 def test_factored_baselines_equal_dense(n, r, d_out, d_in, rslora, method, params, dtype):
     experts = adapters(n, r, d_out, d_in, rslora, dtype, seed=1)
     dense = get_method(method)(torch.stack([e.dense() for e in experts]), **params)
-    factored = merge_factored(method, experts, **params)
+    factored = get_method(method).merge_factored(experts, **params)
     # B A rounds over r terms, the merge over n experts; the SVD baselines' polar factors amplify by their condition
     eps = torch.finfo(dtype).eps
     tolerance = paths(dtype) * BACKWARD_ERROR * (r + n) * eps * polar_condition(exact_stack(experts), method)
@@ -141,7 +141,7 @@ def test_mixed_ranks_and_a_zero_adapter():
     experts = adapters(3, 0, 24, 40, False, torch.float64, ranks=[2, 6, 4])
     experts.append(LoraDelta(torch.zeros(24, 3, dtype=torch.float64), torch.zeros(3, 40, dtype=torch.float64), 2.0))
     dense = get_method("swudi_a")(torch.stack([e.dense() for e in experts]))
-    factored = merge_factored("swudi_a", experts)
+    factored = get_method("swudi_a").merge_factored(experts)
     assert relative(factored.dense(), dense.delta) <= 1e-8
     assert factored.diagnostics["n_experts"] == dense.diagnostics["n_experts"] == 3
 
@@ -149,13 +149,14 @@ def test_mixed_ranks_and_a_zero_adapter():
 def test_methods_without_a_factored_form_say_so():
     experts = adapters(2, 2, 8, 8, False, torch.float64)
     with pytest.raises(ValueError, match="cannot merge factored"):
-        merge_factored("ties", experts)
+        get_method("ties").merge_factored(experts)
 
 
 @pytest.mark.parametrize(("n", "r", "d_out", "d_in", "rslora"), CASES)
 def test_factored_spectrum_is_the_dense_spectrum(n, r, d_out, d_in, rslora):
     """Every eigenvalue of C (the non-zero ones and the count of zeros), in float64."""
-    from specmerge.methods.spectral import decompose, normal_equation
+    from specmerge.linalg.quadratic import normal_equation
+    from specmerge.linalg.spectrum import decompose
 
     experts = adapters(n, r, d_out, d_in, rslora, torch.float64, seed=2)
     dense = decompose(normal_equation(torch.stack([e.dense() for e in experts])))

@@ -151,13 +151,13 @@ def test_output_may_not_overwrite_an_input(families, capsys):
 @pytest.mark.parametrize("method", ["swudi_a", "task_arithmetic", "ties"])
 def test_row_blocks_give_the_same_merge(families, tmp_path, monkeypatch, method):
     """Row-wise work (averages, TA) in blocks of a few rows equals the whole-tensor merge, byte for byte."""
-    import specmerge.pipeline.executor as executor
+    import specmerge.pipeline.work as work
 
     base_dir, expert_dirs = families["llama"]
     whole = tmp_path / "whole"
     merge(base_dir, expert_dirs, whole, method=method, expert_keys=KEYS, progress=False)
-    monkeypatch.setattr(executor, "BLOCK_BYTES", 200)  # a few rows per block
-    assert len(executor.row_blocks(_entry("average", (64, 32)), 4)) > 1
+    monkeypatch.setattr(work, "BLOCK_BYTES", 200)  # a few rows per block
+    assert len(work.row_blocks(_entry("average", (64, 32)), 4)) > 1
     blocks = tmp_path / "blocks"
     report = merge(base_dir, expert_dirs, blocks, method=method, expert_keys=KEYS, progress=False)
     a, b = load_weights(whole), load_weights(blocks)
@@ -205,7 +205,7 @@ def test_tied_weights_stay_tied(tmp_path):
 
 
 def test_device_resolution():
-    from specmerge.pipeline.executor import resolve_device
+    from specmerge.pipeline.compute import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")

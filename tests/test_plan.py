@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from specmerge.methods.registry import get_method
+from specmerge.methods import get_method
 from specmerge.pipeline.plan import PlanError, default_action, is_embedding, make_plan, summarize
 from specmerge.pipeline.recipe import Recipe
 

@@ -1,20 +1,59 @@
-"""The method registry: schema from signatures, validation at the door, the CLI listing."""
+"""The method registry: schema from signatures, validation at the door, declared capabilities, the CLI listing."""
+
+import math
 
 import pytest
 import torch
 
 from specmerge import LayerResult, all_methods, get_method, register
 from specmerge.cli import main
+from specmerge.linalg.lowrank import LoraDelta
+from specmerge.methods import Setting, candidate_settings, registry
+from specmerge.methods.params import Positive
 
-EXPECTED = {
-    "swudi", "swudi_a", "closed_form", "spectral_filter", "wudi", "wudi_reference", "optmerge",
-    "optmerge_lora", "weight_average", "task_arithmetic", "ties", "dare_task_arithmetic", "dare_ties",
-    "tsv_m", "iso_c",
-}  # fmt: skip
+DISPLAY_ORDER = [
+    "weight_average", "task_arithmetic", "ties", "dare_task_arithmetic", "dare_ties", "breadcrumbs", "tsv_m",
+    "iso_c", "closed_form", "wudi", "wudi_reference", "optmerge", "optmerge_lora", "swudi", "swudi_a",
+    "spectral_filter",
+]  # fmt: skip
+EXPECTED = set(DISPLAY_ORDER)
+
+# The accuracy benchmark's rows before the methods declared them (specmerge_bench method_rows() at d8db22d), plus
+# breadcrumbs: (label, title, method, params, grid), in display order.
+R, T = (0.55, 0.65, 0.75, 0.85), (300.0, 800.0, 1300.0, 1800.0)
+BENCH_ROWS = [
+    ("weight_average", "Weight average", "weight_average", {}, {}),
+    ("task_arithmetic", "Task arithmetic", "task_arithmetic", {}, {}),
+    ("ties", "TIES (top 20 %)", "ties", {}, {}),
+    ("dare_task_arithmetic", "DARE-TA (p = 0.5)", "dare_task_arithmetic", {}, {}),
+    ("dare_ties", "DARE-TIES (p = 0.5)", "dare_ties", {}, {}),
+    ("breadcrumbs", "Model Breadcrumbs", "breadcrumbs", {}, {}),
+    ("tsv_m", "TSV-M", "tsv_m", {}, {}),
+    ("iso_c", "Iso-C", "iso_c", {}, {}),
+    ("closed_form", "D C⁺ (closed form)", "closed_form", {}, {}),
+    ("wudi", "WUDI (Adam, 300 steps)", "wudi", {"steps": 300}, {}),
+    ("optmerge", "OptMerge (300 steps)", "optmerge", {}, {}),
+    ("swudi", "SWUDI (r, t on val)", "swudi", {}, {"rank_ratio": R, "t": T}),
+    ("swudi_a_psqrt", "SWUDI-A (psqrt)", "swudi_a", {"rule": "psqrt"}, {}),
+    ("swudi_a_gd", "SWUDI-A (Gavish–Donoho)", "swudi_a", {"rule": "gavish_donoho"}, {}),
+    ("exponential", "Exponential filter, no truncation (t on val)", "spectral_filter", {"filter": "exponential"},
+     {"t": T}),
+]  # fmt: skip
+
+
+def builtin_methods() -> dict:
+    """The methods of specmerge's own family modules (other tests may register plugins in this process)."""
+    return {name: m for name, m in all_methods().items() if m.fn.__module__.startswith("specmerge.methods.")}
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """Registrations in the test go to a copy of the registry, dropped afterwards."""
+    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
 
 
 def test_every_method_is_registered_with_documented_parameters():
-    registry = all_methods()
+    registry = builtin_methods()
     assert set(registry) == EXPECTED
     for method in registry.values():
         assert method.summary and method.citation
@@ -70,7 +109,7 @@ def test_matrix_methods_reject_non_matrix_stacks():
 
 def test_results_carry_diagnostics_from_the_same_call():
     tau = torch.randn(4, 10, 12)
-    for name, method in all_methods().items():
+    for name, method in builtin_methods().items():
         kwargs = {"steps": 3} if "steps" in {p.name for p in method.params} else {}
         result = method(tau, **kwargs)
         assert result.delta.shape == (10, 12), name
@@ -93,3 +132,105 @@ def test_cli_unknown_method_is_a_one_line_error(capsys):
     assert main(["methods", "swudy"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "did you mean 'swudi'" in err
+
+
+def test_display_order_is_the_catalog_order():
+    assert list(all_methods())[: len(DISPLAY_ORDER)] == DISPLAY_ORDER
+
+
+def test_capabilities_are_declared():
+    methods = builtin_methods()
+    assert {name for name, m in methods.items() if m.linear} == {"weight_average", "task_arithmetic"}
+    assert {name for name, m in methods.items() if m.seeded} == {"dare_task_arithmetic", "dare_ties"}
+    assert {name for name, m in methods.items() if m.factored} == {
+        "weight_average", "task_arithmetic", "tsv_m", "iso_c", "closed_form", "swudi", "swudi_a", "spectral_filter"
+    }  # fmt: skip
+    assert {name for name, m in methods.items() if not m.featured} == {"wudi_reference", "optmerge_lora",
+                                                                       "spectral_filter"}  # fmt: skip
+    assert {name: m.variant_of for name, m in methods.items() if m.variant_of} == {
+        "dare_ties": "dare_task_arithmetic", "wudi_reference": "wudi", "optmerge_lora": "optmerge"
+    }  # fmt: skip
+    for name, m in methods.items():
+        assert m.title, name
+        if m.variant_of:  # a variant shares its implementation, with declared differences only
+            assert m.fn is methods[m.variant_of].fn and m.fixed != methods[m.variant_of].fixed
+
+
+def test_linear_coefficient():
+    assert get_method("weight_average").linear_coefficient({}, 4) == 0.25
+    assert get_method("weight_average").linear_coefficient({"scale": "0.5"}, 4) == 0.125  # validated, coerced
+    assert get_method("task_arithmetic").linear_coefficient({}, 4) == 0.3
+    assert get_method("task_arithmetic").linear_coefficient({}, 0) is None
+    assert get_method("ties").linear_coefficient({}, 4) is None
+    tau = torch.randn(3, 5, 4, dtype=torch.float64)
+    for name in ("weight_average", "task_arithmetic"):
+        c = get_method(name).linear_coefficient({"scale": 0.7}, 3)
+        torch.testing.assert_close(get_method(name)(tau, scale=0.7).delta, c * tau.sum(dim=0))
+
+
+def test_merge_factored_is_only_for_factored_methods():
+    deltas = [LoraDelta(torch.randn(6, 2), torch.randn(2, 5)) for _ in range(3)]
+    for name, method in builtin_methods().items():
+        if not method.factored:
+            with pytest.raises(ValueError, match=f"method '{name}' cannot merge factored"):
+                method.merge_factored(deltas)
+    result = get_method("task_arithmetic").merge_factored(deltas, scale=1.0)
+    torch.testing.assert_close(result.dense(), sum(d.dense() for d in deltas))
+
+
+def test_settings_reproduce_the_benchmark_rows():
+    builtin = [(m, s) for m, s in candidate_settings() if m.name in builtin_methods()]
+    rows = [(s.label, s.title, m.name, dict(s.params), dict(s.grid)) for m, s in builtin]
+    assert rows == BENCH_ROWS
+    assert len({label for label, *_ in rows}) == len(rows)
+    swudi = next(s for m, s in builtin if s.label == "swudi")
+    assert swudi.candidates()[:2] == ({"rank_ratio": 0.55, "t": 300.0}, {"rank_ratio": 0.55, "t": 800.0})
+    for method, setting in builtin:
+        assert len(setting.candidates()) == math.prod(len(values) for values in setting.grid.values())
+        for params in setting.candidates():
+            method.validate(params)
+
+
+def test_register_returns_the_validating_method(scratch_registry):
+    @register("test_scaled_sum", citation="test only", needs_matrix=False, settings=[Setting("scaled", "Scaled")])
+    def scaled_sum(task_vectors, *, scale: Positive = 1.0) -> LayerResult:
+        """Scaled sum, for the test.
+
+        Args:
+            scale: s > 0.
+        """
+        return LayerResult(scale * task_vectors.sum(dim=0))
+
+    assert scaled_sum is get_method("test_scaled_sum")
+    assert torch.equal(scaled_sum(torch.ones(2, 3), scale="2").delta, torch.full((3,), 4.0))
+    with pytest.raises(ValueError, match="parameter 'scale' input should be greater than 0"):
+        scaled_sum(torch.ones(2, 3), scale=0)
+    assert list(all_methods())[-1] == "test_scaled_sum"  # a plugin is listed after the built-ins
+    assert candidate_settings()[-1] == (scaled_sum, Setting("scaled", "Scaled"))
+    assert scaled_sum.featured and not scaled_sum.linear and not scaled_sum.factored and not scaled_sum.seeded
+
+
+def test_capabilities_must_agree_with_the_signature(scratch_registry):
+    def seeded(task_vectors, *, tensor_name: str = "", expert_keys=None) -> LayerResult:
+        """Uses the tensor name."""
+
+    with pytest.raises(TypeError, match="declare seeded=True"):
+        register("test_undeclared_seed", citation="none")(seeded)
+    with pytest.raises(TypeError, match="declared seeded"):
+        register("test_missing_seed", citation="none", seeded=True)(lambda task_vectors: None)
+
+    def cores(task_vectors, *, full_shape=None) -> LayerResult:
+        """Uses the full shape."""
+
+    with pytest.raises(TypeError, match="declare factored=True"):
+        register("test_undeclared_factored", citation="none")(cores)
+    with pytest.raises(TypeError, match="setting 'bad' sets unknown"):
+        register("test_bad_setting", citation="none", factored=True, settings=[Setting("bad", "Bad", {"t": 1})])(cores)
+    assert not {"test_undeclared_seed", "test_missing_seed", "test_undeclared_factored"} & set(all_methods())
+
+
+def test_methods_pickle_by_name():
+    import pickle
+
+    for method in builtin_methods().values():
+        assert pickle.loads(pickle.dumps(method)) is method

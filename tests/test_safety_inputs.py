@@ -19,12 +19,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specmerge.cli import main
-from specmerge.errors import SpecmergeError
-from specmerge.io.adapters import open_adapter
-from specmerge.io.sources import SourceError, open_source
-from specmerge.io.writer import copy_model_files
-from specmerge.pipeline.api import _refuse_output_inside_inputs, merge
-from specmerge.pipeline.recipe import RecipeError
+from specmerge.errors import RecipeError, SpecmergeError
+from specmerge.io.model_files import copy_model_files
+from specmerge.io.peft import open_adapter
+from specmerge.io.protocol import SourceError
+from specmerge.io.sources import open_source
+from specmerge.pipeline.api import merge
+from specmerge.pipeline.inputs import refuse_output_inside_inputs
 
 FAST = {"method": "task_arithmetic", "progress": False, "fsync": False}
 
@@ -328,11 +329,11 @@ def test_output_check_compares_the_real_files_sources_read(tmp_path):
     snapshot = hf_repo(cache, "m", {"model.safetensors": safetensors_bytes(tmp_path, weights(0))})
     blobs = cache / "models--org--m" / "blobs"
     with open_source(snapshot) as source:
-        _refuse_output_inside_inputs(tmp_path / "out", [str(snapshot)], [source])  # elsewhere: fine
+        refuse_output_inside_inputs(tmp_path / "out", [str(snapshot)], [source])  # elsewhere: fine
         with pytest.raises(
             SpecmergeError, match=rf"output '{blobs}' holds {blobs}/m0000.*which the input '{snapshot}'"
         ):
-            _refuse_output_inside_inputs(blobs, [str(snapshot)], [source])
+            refuse_output_inside_inputs(blobs, [str(snapshot)], [source])
 
 
 # 11. The same checkpoint twice, or the base as an expert, is refused by the files actually read.
@@ -462,7 +463,7 @@ def test_permission_denied_is_not_reported_as_missing_or_corrupt(shared_dir, wha
 def test_safetensors_truncated_while_reading_names_file_and_tensor(tmp_path, monkeypatch, route):
     import mmap
 
-    import specmerge.io.sources as sources
+    import specmerge.io.safetensors_format as safetensors_format
 
     path = tmp_path / "w.safetensors"
     save_file({"a": torch.ones(8), "big": torch.ones(64 * 1024)}, path)
@@ -477,16 +478,16 @@ def test_safetensors_truncated_while_reading_names_file_and_tensor(tmp_path, mon
         def no_maps(*args):
             raise OSError("no memory maps here")
 
-        monkeypatch.setattr(sources, "_mapped", no_maps)
+        monkeypatch.setattr(safetensors_format, "mapped", no_maps)
     if route == "before-map":  # truncated after specmerge's size check, before Python's mmap checks it again
         real_fstat = os.fstat
 
         def stale_fstat(fd):
-            monkeypatch.setattr(sources.os, "fstat", real_fstat)
+            monkeypatch.setattr(safetensors_format.os, "fstat", real_fstat)
             os.truncate(path, short)
             return os.stat_result((*tuple(real_fstat(fd))[:6], size, *tuple(real_fstat(fd))[7:]))
 
-        monkeypatch.setattr(sources.os, "fstat", stale_fstat)
+        monkeypatch.setattr(safetensors_format.os, "fstat", stale_fstat)
     if route == "after-map":  # truncated once mapped: faulting the pages in fails (EFAULT), not SIGBUS later
         real_mmap = mmap.mmap
 
@@ -495,7 +496,7 @@ def test_safetensors_truncated_while_reading_names_file_and_tensor(tmp_path, mon
             os.truncate(path, short)
             return region
 
-        monkeypatch.setattr(sources.mmap, "mmap", map_then_truncate)
+        monkeypatch.setattr(safetensors_format.mmap, "mmap", map_then_truncate)
     with pytest.raises(SourceError) as err:
         source.load("big")
     monkeypatch.undo()
@@ -510,7 +511,8 @@ def test_pytorch_checkpoint_truncated_while_reading_is_named_not_a_crash(tmp_pat
     torch.save({"big": torch.ones(256 * 1024)}, path)
     code = (
         "import os, sys\n"
-        "from specmerge.io.sources import SourceError, open_source\n"
+        "from specmerge.io.protocol import SourceError\n"
+        "from specmerge.io.sources import open_source\n"
         f"source = open_source({str(path)!r}); source.infos()\n"
         f"os.truncate({str(path)!r}, 4096)\n"
         "try:\n    float(source.load('big').sum())\n"

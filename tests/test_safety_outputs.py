@@ -19,18 +19,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from specmerge.cli import main
-from specmerge.io.sources import TensorInfo
-from specmerge.io.writer import (
-    OUTPUT_MARKER,
-    WORK_INFIX,
-    OutputError,
-    ShardWriter,
-    atomic_directory,
-    check_output,
-    foreign_entries,
-    remove_stale_work_folders,
-    write_output_config,
-)
+from specmerge.io.model_files import write_output_config
+from specmerge.io.output import OUTPUT_MARKER, OutputError, atomic_directory, check_output, foreign_entries
+from specmerge.io.protocol import TensorInfo
+from specmerge.io.work_folders import WORK_INFIX, remove_stale_work_folders, this_process
+from specmerge.io.writer import ShardWriter
 from specmerge.pipeline.api import merge
 from tiny_models import build_family
 
@@ -136,7 +129,7 @@ def test_overwrite_refuses_a_file_or_a_link(tmp_path):
 
 @pytest.mark.parametrize("where", ["cwd", "parent_of_cwd", "home"])
 def test_current_parent_and_home_folders_are_refused_before_any_work(tmp_path, monkeypatch, capsys, where):
-    import specmerge.pipeline.api
+    from specmerge.pipeline.executor import StreamingExecutor
 
     base, experts = family(tmp_path)
     out = tmp_path / "out"
@@ -148,7 +141,7 @@ def test_current_parent_and_home_folders_are_refused_before_any_work(tmp_path, m
     else:
         monkeypatch.chdir(out / "sub" if where == "parent_of_cwd" else out)
         target = Path("..") if where == "parent_of_cwd" else Path(".")
-    monkeypatch.setattr(specmerge.pipeline.api, "run_plan", lambda *a, **k: pytest.fail("the merge ran"))
+    monkeypatch.setattr(StreamingExecutor, "run", lambda *a, **k: pytest.fail("the merge ran"))
     assert cli_merge(base, experts, target, "--overwrite") == 2
     err = capsys.readouterr().err
     what = "your home folder" if where == "home" else "the current folder"
@@ -209,9 +202,7 @@ def test_an_unfinished_shard_has_no_header_and_never_loads(tmp_path):
 
 
 def owner(**fields) -> dict:
-    from specmerge.io.writer import _this_process
-
-    return {**_this_process(), "target": "out", **fields}
+    return {**this_process(), "target": "out", **fields}
 
 
 def work_folder(parent: Path, name: str, owner_fields: dict) -> Path:
@@ -252,7 +243,7 @@ BLOCKING_MERGE = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from specmerge.cli import main
-    from specmerge.methods.registry import LayerResult, register
+    from specmerge.methods import LayerResult, register
 
     calls = []
 

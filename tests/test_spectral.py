@@ -9,15 +9,9 @@ import torch
 from conftest import low_rank_plus_noise
 from specmerge import get_method
 from specmerge.linalg.filters import Exponential, Landweber, PseudoInverse, Tikhonov, TopK
-from specmerge.methods import spectral
-from specmerge.methods.spectral import (
-    Spectrum,
-    decompose,
-    filtered_solve,
-    initial_point,
-    inverse_gains,
-    normal_equation,
-)
+from specmerge.linalg.quadratic import initial_point, normal_equation
+from specmerge.linalg.solve import filtered_solve, inverse_gains, shared_decompositions
+from specmerge.linalg.spectrum import Spectrum, choose_rank, decompose
 
 # (N, d_out, d_in): full-rank C, and rank-deficient C with N d_out < d_in (the M M^T route)
 SHAPES = [(4, 12, 9), (3, 5, 11), (2, 3, 17)]
@@ -268,8 +262,6 @@ def test_generic_spectral_filter_method_is_the_same_code_path():
 
 
 def test_shared_decompositions_reuse_one_eigh_and_change_nothing(monkeypatch):
-    from specmerge.methods import spectral
-
     g = torch.Generator().manual_seed(3)
     tau = torch.randn(4, 12, 10, generator=g, dtype=torch.float64)
     configs = [
@@ -283,7 +275,7 @@ def test_shared_decompositions_reuse_one_eigh_and_change_nothing(monkeypatch):
     calls = []
     eigh = torch.linalg.eigh
     monkeypatch.setattr(torch.linalg, "eigh", lambda x: calls.append(1) or eigh(x))
-    with spectral.shared_decompositions():
+    with shared_decompositions():
         shared = [get_method(m)(tau, **p).delta for m, p in configs]
         tau.mul_(2)  # an in-place edit: the next call decomposes again
         edited = get_method("closed_form")(tau).delta
@@ -301,8 +293,8 @@ def test_rank_rules_choose_the_same_rank_in_float32_and_float64():
     tau = synthetic_stack(4, 192, 1024, rank=8, noise=0.2)  # float32 with the solve cut: psqrt 99, float64 102
     chosen = {}
     for dtype in (torch.float32, torch.float64):
-        spectrum = spectral.decompose(spectral.normal_equation(tau.to(dtype)))
-        chosen[dtype] = {rule: spectral.choose_rank(rule, spectrum) for rule in ("psqrt", "gavish_donoho")}
+        spectrum = decompose(normal_equation(tau.to(dtype)))
+        chosen[dtype] = {rule: choose_rank(rule, spectrum) for rule in ("psqrt", "gavish_donoho")}
         if dtype == torch.float32:  # the case guarded: the old cut d_in eps lambda_1 drops eigenvalues float64 keeps
             old_cut = spectrum.n_cols * torch.finfo(dtype).eps * float(spectrum.eigenvalues[0])
             assert int((spectrum.eigenvalues > old_cut).sum()) < spectrum.rank

@@ -8,13 +8,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-import specmerge.diagnostics.inspect
-import specmerge.pipeline.api
+import specmerge.diagnostics.run
 from specmerge.cli import main
-from specmerge.diagnostics.inspect import inspect_model
+from specmerge.diagnostics.run import inspect_model
+from specmerge.errors import RecipeError
 from specmerge.pipeline import threads
 from specmerge.pipeline.api import merge
-from specmerge.pipeline.recipe import RecipeError
+from specmerge.pipeline.executor import StreamingExecutor
 from specmerge.pipeline.threads import CpuState, busy_cpus, cgroup_quota, choose_threads, default_threads, merge_threads
 from tiny_models import build_family
 
@@ -218,7 +218,8 @@ def test_reader_and_writer_threads_compute_with_one_thread_only_inside_a_merge()
 
 
 def _record_threads(monkeypatch, module, name, fail=False):
-    """Wrap ``module.name`` to record torch's thread count while it runs (and raise after it, with ``fail``)."""
+    """Wrap ``module.name`` (a function, or a method of a class) to record torch's thread count while it runs (and
+    raise after it, with ``fail``)."""
     seen = []
     real = getattr(module, name)
 
@@ -235,7 +236,7 @@ def _record_threads(monkeypatch, module, name, fail=False):
 def test_merge_applies_threads_and_restores(llama, tmp_path, monkeypatch):
     base, experts = llama
     torch.set_num_threads(2)
-    seen = _record_threads(monkeypatch, specmerge.pipeline.api, "run_plan")
+    seen = _record_threads(monkeypatch, StreamingExecutor, "run")
     report = merge(base, experts, tmp_path / "a", method="task_arithmetic", progress=False, threads=3)
     assert seen == [3] and report["threads"] == 3 and report["threads_from"] == "threads option"
     assert json.loads((tmp_path / "a" / "report.json").read_text())["threads"] == 3
@@ -247,7 +248,7 @@ def test_merge_default_threads_come_from_the_cpu_state(llama, tmp_path, monkeypa
     torch.set_num_threads(2)
     monkeypatch.setattr(threads, "_TORCH_THREADS_AT_IMPORT", 2)
     monkeypatch.setattr(threads, "read_cpu_state", lambda: CpuState(affinity=6, busy=1.0))
-    seen = _record_threads(monkeypatch, specmerge.pipeline.api, "run_plan")
+    seen = _record_threads(monkeypatch, StreamingExecutor, "run")
     report = merge(base, experts, tmp_path / "a", method="ties", progress=False)
     assert seen == [4] and report["threads"] == 4 and report["threads_from"].startswith("default: 6 usable CPUs")
     assert torch.get_num_threads() == 2
@@ -256,7 +257,7 @@ def test_merge_default_threads_come_from_the_cpu_state(llama, tmp_path, monkeypa
 def test_merge_restores_threads_on_error(llama, tmp_path, monkeypatch):
     base, experts = llama
     torch.set_num_threads(2)
-    seen = _record_threads(monkeypatch, specmerge.pipeline.api, "run_plan", fail=True)
+    seen = _record_threads(monkeypatch, StreamingExecutor, "run", fail=True)
     with pytest.raises(RuntimeError, match="injected"):
         merge(base, experts, tmp_path / "a", method="task_arithmetic", progress=False, threads=1)
     assert seen == [1] and torch.get_num_threads() == 2 and not (tmp_path / "a").exists()
@@ -275,7 +276,7 @@ def test_omp_num_threads_is_respected(llama, tmp_path, monkeypatch):
 def test_inspect_applies_threads_and_records_them(llama, tmp_path, monkeypatch):
     base, experts = llama
     torch.set_num_threads(2)
-    seen = _record_threads(monkeypatch, specmerge.diagnostics.inspect, "select_layers")
+    seen = _record_threads(monkeypatch, specmerge.diagnostics.run, "select_layers")
     summary = inspect_model(base, experts, tmp_path / "r", progress=False, plots=False, wudi=False, threads=1)
     assert seen == [1] and summary["threads"] == 1
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["threads"] == 1

@@ -18,13 +18,19 @@ import torch
 from safetensors.torch import save_file
 
 from specmerge.cli import main
-from specmerge.diagnostics.inspect import InspectOptions, inspect_model
+from specmerge.diagnostics.options import InspectOptions
+from specmerge.diagnostics.run import inspect_model
 from specmerge.errors import NonFiniteError, SpecmergeError
-from specmerge.io.adapters import AdapterConfigWarning, AdapterError, open_adapter
-from specmerge.io.sources import TensorInfo
-from specmerge.methods.registry import all_methods, get_method
-from specmerge.pipeline import api, executor
-from specmerge.pipeline.plan import PlanError, make_plan
+from specmerge.io import experts as experts_module
+from specmerge.io.peft import AdapterConfigWarning, AdapterError, open_adapter
+from specmerge.io.protocol import TensorInfo
+from specmerge.io.task_vectors import Dense, LowRank
+from specmerge.linalg.lowrank import LoraDelta
+from specmerge.methods import all_methods, get_method
+from specmerge.pipeline import api, work
+from specmerge.pipeline.compute import merged_delta
+from specmerge.pipeline.finite import NonFiniteInput
+from specmerge.pipeline.plan import PlanError, TensorPlan, make_plan
 from specmerge.pipeline.recipe import Recipe, RecipeError, load_recipe
 
 WEIGHT = "model.layers.0.self_attn.q_proj.weight"
@@ -107,7 +113,8 @@ def test_nonfinite_base_is_refused_for_every_action(tmp_path, tensor, overrides,
 
 
 def test_nonfinite_in_row_blocks_is_counted_over_the_whole_tensor(tmp_path, monkeypatch):
-    monkeypatch.setattr(executor, "BLOCK_BYTES", 2 * 6 * 4)  # two rows of the 16 x 6 embedding per block
+    monkeypatch.setattr(work, "BLOCK_BYTES", 2 * 6 * 4)  # two rows of the 16 x 6 embedding per block
+    monkeypatch.setattr(experts_module, "NONFINITE_BLOCK_BYTES", 2 * 6 * 4)  # and counted in blocks too
     poison = {(0, EMBED): {95: float("inf")}, (2, EMBED): {1: float("nan"), 50: float("nan"), 94: float("nan")}}
     base, experts = family(tmp_path, poison=poison)
     with pytest.raises(NonFiniteError) as caught:
@@ -134,15 +141,15 @@ def test_finite_inputs_that_overflow_the_compute_dtype_are_refused(tmp_path):
 def test_device_routes_check_their_inputs():
     """The stack and running-sum routes (GPUs, adapters among full experts) check what they read."""
     base = torch.zeros(4, 3)
-    items = [torch.ones(4, 3), torch.ones(4, 3)]
-    items[1][2, 1] = float("nan")
+    items = [Dense(torch.ones(4, 3)), Dense(torch.ones(4, 3))]
+    items[1].weight[2, 1] = float("nan")
     for entry in (_entry("merge", "task_arithmetic", {"scale": 0.3}), _entry("average", None, {"scale": 1.0})):
-        with pytest.raises(executor.NonFiniteInput) as caught:
-            executor.merged_delta(entry, base, items, device=torch.device("cpu"), compute_dtype=torch.float32)
+        with pytest.raises(NonFiniteInput) as caught:
+            merged_delta(entry, base, items, device=torch.device("cpu"), compute_dtype=torch.float32)
         assert caught.value.counts == {1: 1}
-    lora = executor.LoraDelta(torch.full((4, 1), float("inf")), torch.ones(1, 3))
-    with pytest.raises(executor.NonFiniteInput) as caught:
-        executor.merged_delta(
+    lora = LowRank(LoraDelta(torch.full((4, 1), float("inf")), torch.ones(1, 3)))
+    with pytest.raises(NonFiniteInput) as caught:
+        merged_delta(
             _entry("average", None, {"scale": 1.0}),
             base,
             [items[0], lora],
@@ -153,7 +160,7 @@ def test_device_routes_check_their_inputs():
 
 
 def _entry(action, method, params):
-    return executor.TensorPlan("w", (4, 3), torch.float32, action, method, params, "test")
+    return TensorPlan("w", (4, 3), torch.float32, action, method, params, "test")
 
 
 # LoRA adapters written by hand: base q_proj is 5 x 6.
@@ -311,7 +318,7 @@ def test_falsy_cli_values_are_not_dropped(tmp_path, capsys):
         (["--device", "tpu"], "device 'tpu' is not one of cpu"),
         (["--device", ""], "device '' is not one of cpu"),
         (["--layers", "("], "--layers '(' is not a regular expression"),
-        (["-m", "swudi:t=[1"], "method 'swudi:t=[1': value of 't' is not valid YAML"),
+        (["-m", "swudi:t=[1"], "method 'swudi:t=[1': t= '[1': not a valid value"),
         (["-m", "swudi:t=nan"], "parameter 't' must be a number, not NaN"),
     ],
 )

@@ -8,15 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specmerge.io.sources import TensorInfo, open_source
-from specmerge.io.writer import (
-    OutputError,
-    OutputExistsError,
-    ShardWriter,
-    atomic_directory,
-    copy_model_files,
-    safetensors_dtype,
-)
+from specmerge.io.formats import safetensors_dtype
+from specmerge.io.model_files import copy_model_files
+from specmerge.io.output import OutputError, OutputExistsError, atomic_directory
+from specmerge.io.protocol import TensorInfo
+from specmerge.io.sources import open_source
+from specmerge.io.writer import ShardWriter
 
 
 def tensors() -> dict[str, torch.Tensor]:

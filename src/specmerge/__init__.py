@@ -1,6 +1,6 @@
 """specmerge: data-free multi-task model merging by closed-form spectral filtering."""
 
-from specmerge.methods.registry import LayerResult, Method, all_methods, get_method, register
+from specmerge.methods import LayerResult, Method, all_methods, get_method, register
 from specmerge.pipeline.api import merge, run_recipe
 from specmerge.version import __version__
 

@@ -21,7 +21,12 @@ from pathlib import Path
 
 import torch
 
-METHODS = ["weight_average", "task_arithmetic", "ties", "tsv_m", "iso_c", "wudi", "closed_form", "swudi", "swudi_a"]
+from specmerge.methods import all_methods
+
+
+def demo_methods() -> list[str]:
+    """The methods the demo merges with: every featured method of the registry, in registry order."""
+    return [name for name, method in all_methods().items() if method.featured]
 
 
 def tiny_llama_config():
@@ -105,10 +110,10 @@ def score(merged: Path, base_logits: list[torch.Tensor], expert_logits: list[tor
 
 
 def run_demo(workdir: Path, methods: list[str] | None = None, seed: int = 0) -> list[dict]:
-    """Build the experts in ``workdir``, merge them with each method (default: METHODS), one row per method."""
+    """Build the experts in ``workdir``, merge them with each method (default: :func:`demo_methods`), one row each."""
     from specmerge.pipeline.api import merge
 
-    methods = METHODS if methods is None else methods
+    methods = demo_methods() if methods is None else methods
     base, experts, subspaces = build_experts(workdir, seed=seed)
     base_w, expert_w = _weights(base), [_weights(e) for e in experts]
     g = torch.Generator().manual_seed(seed)
@@ -139,33 +144,37 @@ def run_demo(workdir: Path, methods: list[str] | None = None, seed: int = 0) -> 
 
 
 def format_table(rows: list[dict]) -> str:
+    """The demo's table, rows sorted by own-input interference (best first)."""
+    w = max(16, *(len(row["method"]) for row in rows))
     names = ("method", "own-input interference", "worst", "random-token logits", "mean K", "merge s")
-    header = f"{names[0]:<16} {names[1]:>22} {names[2]:>7} {names[3]:>19} {names[4]:>7} {names[5]:>8}"
+    header = f"{names[0]:<{w}} {names[1]:>22} {names[2]:>7} {names[3]:>19} {names[4]:>7} {names[5]:>8}"
     lines = [header, "-" * len(header)]
     for row in sorted(rows, key=lambda r: r["interference"]):
         kept = "" if row["mean_kept_rank"] is None else f"{row['mean_kept_rank']:.1f}"
         lines.append(
-            f"{row['method']:<16} {row['interference']:>22.4f} {row['worst']:>7.4f} {row['logit_error']:>19.4f} "
+            f"{row['method']:<{w}} {row['interference']:>22.4f} {row['worst']:>7.4f} {row['logit_error']:>19.4f} "
             f"{kept:>7} {row['seconds']:>8.2f}"
         )
     return "\n".join(lines)
 
 
 def main(seed: int = 0, workdir: str | None = None) -> None:
+    """``specmerge demo``: build the tiny Llama family (in ``workdir``, else a temporary folder), merge, print."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # one table, not 40 "Loading weights" bars
+    methods = demo_methods()
     with tempfile.TemporaryDirectory(prefix="specmerge-demo-") as tmp:
         root = Path(workdir) if workdir else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         print(
-            f"specmerge demo: a tiny Llama and 4 experts written to {root}, merged from disk with {len(METHODS)} "
+            f"specmerge demo: a tiny Llama and 4 experts written to {root}, merged from disk with {len(methods)} "
             "methods.\nScores (0 = the expert itself, 1 = the base model; mean, and worst, over the experts):\n"
             "  own-input interference = sum over linear layers of ||(W_merged - W_i) S_i||^2 / ||(W_0 - W_i) S_i||^2,\n"
             "    S_i the inputs expert i was tuned on (what WUDI and SWUDI minimise);\n"
             "  random-token logits = ||logits_merged - logits_i||^2 / ||logits_0 - logits_i||^2 on random tokens.\n"
         )
-        rows = run_demo(root, seed=seed)
+        rows = run_demo(root, methods, seed=seed)
         print(format_table(rows))
         print(
             f"\nDo one yourself: specmerge merge {root}/base {root}/expert0 {root}/expert1 {root}/expert2 "

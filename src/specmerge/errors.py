@@ -10,6 +10,9 @@ them after ``specmerge: warning:``.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
+
 
 class SpecmergeError(ValueError):
     """Bad input or an unusable location; the message names the file, tensor or key and what to do."""
@@ -26,5 +29,27 @@ class NonFiniteError(SpecmergeError):
     """An input tensor holds NaN or Inf; the message names the tensor, the file and how many entries."""
 
 
+class RecipeError(SpecmergeError):
+    """An invalid recipe or option value. ``loc`` is the place in the recipe document (keys and list indices),
+    when known."""
+
+    def __init__(self, message: str, loc: tuple[str | int, ...] | list[str | int] = ()) -> None:
+        super().__init__(message)
+        self.loc = tuple(loc)
+
+
 class SpecmergeWarning(UserWarning):
     """A notice about the input that does not stop the work (a default used for a missing key, ...)."""
+
+
+def closest_name(name: str, known: Sequence[str], *, cutoff: float = 0.6) -> str | None:
+    """The known name most like ``name`` (difflib similarity at least ``cutoff``; 0: always one), or None."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
+def unknown_name_message(what: str, name: str, known: Sequence[str]) -> str:
+    """The one did-you-mean message: ``unknown <what> '<name>': did you mean '<closest>'? known: a, b, c``."""
+    close = closest_name(name, known)
+    hint = f"did you mean '{close}'? " if close else ""
+    return f"unknown {what} '{name}': {hint}known: {', '.join(sorted(known))}"

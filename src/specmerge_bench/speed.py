@@ -1,4 +1,4 @@
-"""Per-layer speed and memory of the merge methods: ``specmerge bench speed``.
+"""Per-layer speed and memory of the merge methods: ``specmerge-bench speed``.
 
 Layers are synthetic with real-looking spectra: tau_i = A_i B_i (rank 32) + i.i.d. noise at 20 % of the
 signal's norm, entries ~1e-3. Two shape sets:
@@ -8,13 +8,17 @@ signal's norm, entries ~1e-3. Two shape sets:
 - ``llama3b``: one Llama-3.2-3B decoder layer, N = 5 experts: q/o_proj 3072x3072 (x2), k/v_proj 1024x3072
   (x2), gate/up_proj 8192x3072 (x2), down_proj 3072x8192 (x1).
 
-Every method runs at its registry defaults on the same inputs in the same process, one after another: the
-median wall time of ``--repeats`` runs after one warm-up. The iterative methods (WUDI and the reference-style
-WUDI, 300 Adam steps each) cost the same per step, so by default they are timed at two short step counts and
-extrapolated to 300 steps: t(300) = t(a) + (300 - a) (t(b) - t(a)) / (b - a); ``--full-iterative`` runs the
-300 steps instead. Peak memory (``--memory``) is measured in a fresh process per (layer, method): the peak
-resident set (Linux VmHWM, reset after the inputs are built) above the resident set with the inputs in place,
-i.e. the method's own working memory; on CUDA, ``torch.cuda.max_memory_allocated`` above the inputs.
+Methods (:func:`entries`): the reference-style WUDI (``REFERENCE``, the baseline of the ratio table) and
+every featured method of the registry, one column per accuracy-benchmark setting it declares (e.g. SWUDI-A
+psqrt and Gavish-Donoho), at that setting's fixed parameters and the registry defaults otherwise (a grid
+is not swept). Every method runs on the same inputs in the same process, one after another: the median
+wall time of ``--repeats`` runs after one warm-up. Iterative methods (those with a ``steps`` parameter:
+WUDI, OptMerge, 300 steps each) cost the same per step, so by default they are timed at two short step
+counts and extrapolated to their step count S: t(S) = t(a) + (S - a) (t(b) - t(a)) / (b - a);
+``--full-iterative`` runs the S steps instead. Peak memory (``--memory``) is measured in a fresh process per
+(layer, method): the peak resident set (Linux VmHWM, reset after the inputs are built) above the resident
+set with the inputs in place, i.e. the method's own working memory (:class:`specmerge_bench.memory.Sampler`);
+on CUDA, ``torch.cuda.max_memory_allocated`` above the inputs.
 """
 
 from __future__ import annotations
@@ -26,16 +30,17 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from specmerge.methods.registry import get_method
+from specmerge.methods import Method, Setting, all_methods, get_method
+from specmerge_bench.memory import Sampler
 
-STEPS = 300  # WUDI's published step count
+REFERENCE = "wudi_reference"  # WUDI as published: always timed, the baseline of the ratios
 
 
 @dataclass(frozen=True)
@@ -71,28 +76,37 @@ SHAPE_SETS = {
 
 @dataclass(frozen=True)
 class Entry:
+    """One timed column: a registry method with fixed parameters; ``steps`` is set for iterative methods."""
+
     label: str
     method: str
     params: tuple[tuple[str, Any], ...] = ()
+    steps: int | None = None  # the step count timed (or extrapolated to), for a method with a ``steps`` parameter
 
     @property
     def iterative(self) -> bool:
-        return self.method in ("wudi", "wudi_reference")
+        return self.steps is not None
 
 
-METHODS = {
-    e.label: e
-    for e in (
-        Entry("wudi_reference", "wudi_reference"),
-        Entry("wudi", "wudi"),
-        Entry("swudi", "swudi"),
-        Entry("swudi_a_psqrt", "swudi_a", (("rule", "psqrt"),)),
-        Entry("swudi_a_gd", "swudi_a", (("rule", "gavish_donoho"),)),
-        Entry("tsv_m", "tsv_m"),
-        Entry("iso_c", "iso_c"),
-        Entry("task_arithmetic", "task_arithmetic"),
-    )
-}
+def _entry(label: str, method: Method, params: Mapping[str, Any]) -> Entry:
+    steps = None
+    if any(p.name == "steps" for p in method.params):  # iterative: cost per step is constant
+        steps = int(params.get("steps", method.param("steps").default))
+    return Entry(label, method.name, tuple(sorted(params.items())), steps)
+
+
+def entries() -> dict[str, Entry]:
+    """Label -> column: ``REFERENCE``, then every setting of every featured method, in registry order.
+
+    A featured method without benchmark settings gets one column at its defaults; a setting's grid is not
+    swept (its parameters take the registry defaults)."""
+    methods = all_methods()
+    out = {REFERENCE: _entry(REFERENCE, methods[REFERENCE], {})}
+    for method in methods.values():
+        if method.featured:
+            for setting in method.settings or (Setting(method.name, method.title),):
+                out.setdefault(setting.label, _entry(setting.label, method, setting.params))
+    return out
 
 
 def synthetic_stack(
@@ -158,13 +172,7 @@ def time_entry(
     t_a = median_seconds(lambda: _run(entry, stack, a), repeats, device, warm_up=False)
     t_b = median_seconds(lambda: _run(entry, stack, b), repeats, device, warm_up=False)
     per_step = max(t_b - t_a, 0.0) / (b - a)
-    return t_a + (STEPS - a) * per_step, {"extrapolated_from": [a, b], "seconds_at": [t_a, t_b]}
-
-
-def _vm(field: str) -> int:
-    with open("/proc/self/status") as f:
-        line = next(x for x in f if x.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
+    return t_a + (entry.steps - a) * per_step, {"extrapolated_from": [a, b], "seconds_at": [t_a, t_b]}
 
 
 def peak_bytes_here(entry: Entry, stack: torch.Tensor, steps: int | None) -> int:
@@ -176,27 +184,26 @@ def peak_bytes_here(entry: Entry, stack: torch.Tensor, steps: int | None) -> int
         _run(entry, stack, steps)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current resident set
-        f.write("5")
-    before = _vm("VmRSS")
-    _run(entry, stack, steps)
-    return _vm("VmHWM") - before
+    with Sampler(period=None, reset_peak=True) as sampler:  # VmHWM is the kernel's exact peak: no polling
+        _run(entry, stack, steps)
+    return sampler.above_baseline("VmHWM", "VmRSS")
 
 
 def peak_bytes(shape_set: ShapeSet, layer: Layer, entry: Entry, device: str, steps: int | None) -> int:
     """:func:`peak_bytes_here` in a fresh Python process (no allocator state left over from other runs)."""
     job = json.dumps([shape_set.name, layer.name, entry.label, device, steps])
-    code = "import sys, json; from specmerge_bench.speed import _measure_child; print(_measure_child(sys.argv[1]))"
+    code = "import sys; from specmerge_bench.speed import measure_child; print(measure_child(sys.argv[1]))"
     out = subprocess.run([sys.executable, "-c", code, job], check=True, capture_output=True, text=True)
     return int(out.stdout.strip().splitlines()[-1])
 
 
-def _measure_child(job: str) -> int:
+def measure_child(job: str) -> int:
+    """:func:`peak_bytes_here` for a JSON job ``[set, layer, label, device, steps]`` (run by :func:`peak_bytes`)."""
     set_name, layer_name, label, device, steps = json.loads(job)
     shape_set = SHAPE_SETS[set_name]
     layer = next(x for x in shape_set.layers if x.name == layer_name)
     stack = synthetic_stack(shape_set.n_experts, layer.d_out, layer.d_in).to(device)
-    return peak_bytes_here(METHODS[label], stack, steps)
+    return peak_bytes_here(entries()[label], stack, steps)
 
 
 def measure(
@@ -210,14 +217,15 @@ def measure(
     device: str = "cpu",
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Seconds (and peak bytes) per layer and method, and the whole set's totals."""
+    """Seconds (and peak bytes) per layer and method (``labels`` of :func:`entries`), and the whole set's totals."""
+    columns = entries()
     rows = []
     for layer in shape_set.layers:
         stack = synthetic_stack(shape_set.n_experts, layer.d_out, layer.d_in).to(device)
         row: dict[str, Any] = {"layer": layer.name, "d_out": layer.d_out, "d_in": layer.d_in, "count": layer.count,
                                "seconds": {}, "peak_bytes": {}, "notes": {}}  # fmt: skip
         for label in labels:
-            entry = METHODS[label]
+            entry = columns[label]
             reps = iterative_repeats if entry.iterative else repeats
             seconds, notes = time_entry(entry, stack, reps, short_steps)
             row["seconds"][label], row["notes"][label] = seconds, notes
@@ -236,15 +244,16 @@ def measure(
 def validate_extrapolation(
     shape_set: ShapeSet, result: dict[str, Any], layer_name: str, labels: Sequence[str], device: str
 ) -> list[dict[str, Any]]:
-    """Time the full 300 steps of the iterative ``labels`` on one layer, next to their extrapolated seconds."""
+    """Time the full step count of the iterative ``labels`` on one layer, next to their extrapolated seconds."""
     layer = next((x for x in shape_set.layers if x.name == layer_name), None)
     if layer is None:
         return []
     row = next(r for r in result["rows"] if r["layer"] == layer_name)
+    columns = entries()
     stack = synthetic_stack(shape_set.n_experts, layer.d_out, layer.d_in).to(device)
     checks = []
     for label in labels:
-        measured = median_seconds(lambda e=METHODS[label]: _run(e, stack), 1, torch.device(device), warm_up=False)
+        measured = median_seconds(lambda e=columns[label]: _run(e, stack), 1, torch.device(device), warm_up=False)
         checks.append(
             {"layer": layer_name, "method": label, "extrapolated": row["seconds"][label], "measured": measured}
         )
@@ -287,30 +296,66 @@ def markdown(result: dict[str, Any], labels: Sequence[str], reference: str = "wu
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``specmerge bench speed``: per-layer time (and memory) of every method on CLIP-B/32 and Llama-3B shapes."""
-    parser = argparse.ArgumentParser(prog="specmerge bench speed", description=main.__doc__.split(":", 1)[1].strip())
-    parser.add_argument("--sets", nargs="+", choices=sorted(SHAPE_SETS), default=["clip", "llama3b"])
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+def configure(parser: argparse.ArgumentParser) -> None:
+    """The options of ``specmerge-bench speed``; the parsed arguments go to :func:`run`."""
+    columns = list(entries())
+    parser.add_argument("--sets", nargs="+", choices=sorted(SHAPE_SETS), default=["clip", "llama3b"],
+                        help="shape sets to time (default: clip llama3b; tiny: a smoke test)")  # fmt: skip
+    parser.add_argument("--methods", nargs="+", choices=columns, default=columns, metavar="LABEL",
+                        help=f"columns to time (default: all): {', '.join(columns)}")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per method after a warm-up (median)")
     parser.add_argument("--iterative-repeats", type=int, default=1, help="timed runs of the iterative methods")
     parser.add_argument("--short-steps", type=int, nargs=2, default=[10, 30], metavar=("A", "B"),
-                        help="step counts the iterative methods are timed at, extrapolated to 300")  # fmt: skip
-    parser.add_argument("--full-iterative", action="store_true", help="run the iterative methods' 300 steps")
+                        help="step counts the iterative methods are timed at, then extrapolated (A < B)")  # fmt: skip
+    parser.add_argument("--full-iterative", action="store_true", help="run the iterative methods' full step counts")
     parser.add_argument("--memory", action="store_true", help="also peak working memory (one fresh process each)")
     parser.add_argument("--validate-extrapolation", metavar="LAYER",
-                        help="also time the iterative methods' full 300 steps on this layer of each set")  # fmt: skip
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+                        help="also time the iterative methods' full step counts on this layer of each set")  # fmt: skip
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--json", type=Path, help="also write the raw figures here")
-    args = parser.parse_args(argv)
+    parser.add_argument("--json", type=Path, help="also write the raw figures to this file")
+    parser.set_defaults(run=lambda args: run(args, parser))
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """Refuse bad option values with one line (argparse's usage error), before anything is timed."""
+    for name in ("repeats", "iterative_repeats", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    a, b = args.short_steps
+    if not 1 <= a < b:
+        parser.error(f"--short-steps A B needs 1 <= A < B, got {a} {b}")
+    if args.validate_extrapolation:
+        for name in args.sets:
+            layers = [layer.name for layer in SHAPE_SETS[name].layers]
+            if args.validate_extrapolation not in layers:
+                parser.error(f"--validate-extrapolation: set {name} has no layer {args.validate_extrapolation!r}; "
+                             f"its layers: {', '.join(layers)}")  # fmt: skip
+    if args.json is not None and not args.json.parent.is_dir():
+        parser.error(f"--json {args.json}: folder {args.json.parent} does not exist")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r} is not a device (cpu, cuda, cuda:N)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available on this machine (torch {torch.__version__})")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device}: only cpu and cuda are supported")
+    return device
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``specmerge-bench speed``: per-layer time (and memory) of every featured method on CLIP-B/32 and Llama-3B
+    shapes; prints Markdown tables."""
+    device = _check(parser, args)
+    columns = entries()
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     print(f"# torch {torch.__version__}, {device} ({name}), {torch.get_num_threads()} threads, float32")
     short = None if args.full_iterative else tuple(args.short_steps)
-    print(f"# iterative methods: {'300 steps' if short is None else f'timed at {short} steps, extrapolated to 300'}")
+    print(f"# iterative methods: {'full step counts' if short is None else f'timed at {short} steps, extrapolated'}")
     results = []
     for set_name in args.sets:
         result = measure(
@@ -318,14 +363,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             short_steps=short, memory=args.memory, device=args.device, log=lambda line: print(line, file=sys.stderr),
         )  # fmt: skip
         if args.validate_extrapolation and short is not None:
-            iterative = [m for m in args.methods if METHODS[m].iterative]
+            iterative = [m for m in args.methods if columns[m].iterative]
             layer = args.validate_extrapolation
             result["validation"] = validate_extrapolation(SHAPE_SETS[set_name], result, layer, iterative, args.device)
         results.append(result)
         print("\n" + markdown(result, args.methods) + "\n", flush=True)
         for check in result.get("validation", []):
             head = f"- extrapolation check, {check['layer']} {check['method']}"
-            print(f"{head}: extrapolated {check['extrapolated']:.3g} s, measured (300 steps) {check['measured']:.3g} s")
+            measured = f"measured ({columns[check['method']].steps} steps) {check['measured']:.3g} s"
+            print(f"{head}: extrapolated {check['extrapolated']:.3g} s, {measured}")
     if args.json:
         args.json.write_text(json.dumps({"device": name, "threads": torch.get_num_threads(), "results": results}))
     return 0

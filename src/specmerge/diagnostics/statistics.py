@@ -2,10 +2,10 @@
 
 Pure functions, tensors in and numbers out: statistics of the eigenvalues of C (effective ranks,
 conditioning ratios, the kept rank of every rank rule), the share of the WUDI proxy reduction that a
-filter keeps, the filters h_k themselves, and the optimizer-as-filter diagnostic (the empirical
-per-direction filter of iterative WUDI, fitted by the exponential and Landweber filters). The
-summary over layers reproduces the rows of the paper's per-architecture table (App. C, Table XVII).
-Nothing here reads files; :mod:`specmerge.diagnostics.inspect` streams a model through these functions.
+filter keeps, and the filters h_k themselves. The summary over layers reproduces the rows of the
+paper's per-architecture table (App. C, Table XVII). The optimizer-as-filter diagnostic is in
+:mod:`specmerge.diagnostics.optimizer_filter`. Nothing here reads files; :mod:`specmerge.diagnostics.run`
+streams a model through these functions.
 """
 
 from __future__ import annotations
@@ -13,27 +13,27 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-from scipy import optimize
 
 from specmerge.linalg import rank_rules
-from specmerge.linalg.filters import Exponential, Filter, Landweber, PseudoInverse, Tikhonov, TopK
-from specmerge.methods.iterative import Optimizer, descend, quadratic_gradient
-from specmerge.methods.spectral import NormalEquation, Spectrum, choose_rank
+from specmerge.linalg.filters import Exponential, Filter, PseudoInverse, Tikhonov, TopK
+from specmerge.linalg.quadratic import NormalEquation
+from specmerge.linalg.spectrum import Spectrum, choose_rank
+
+# The rank rules whose kept rank K every layer row reports (``K_<rule>``, ``share_<rule>``), and their display names.
+RULES = ("fixed", "psqrt", "gavish_donoho", "participation")
+RULE_LABELS = {
+    "fixed": "fixed ratio r (SWUDI)",
+    "psqrt": "psqrt (SWUDI-A)",
+    "gavish_donoho": "Gavish-Donoho",
+    "participation": "eigenvalue participation",
+}
 
 # ---------------------------------------------------------------------------------------------
 # Statistics of one spectrum
-
-
-def participation_ratio(values: torch.Tensor) -> float:
-    """(sum v)^2 / sum v^2 of non-negative values (negatives clamped to 0): K for K equal values; 0 if all zero."""
-    v = values.detach().double().clamp(min=0)
-    square = float((v * v).sum())
-    return 0.0 if square == 0 else float(v.sum()) ** 2 / square
 
 
 def entropy_effective_rank(eigenvalues: torch.Tensor) -> float:
@@ -55,8 +55,8 @@ def effective_ranks(eigenvalues: torch.Tensor) -> dict[str, float]:
     All three equal K for a flat spectrum on K directions.
     """
     return {
-        "participation": participation_ratio(eigenvalues),
-        "psqrt": participation_ratio(eigenvalues.detach().double().clamp(min=0).sqrt()),
+        "participation": rank_rules.participation_ratio(eigenvalues),
+        "psqrt": rank_rules.participation_ratio(eigenvalues.detach().double().clamp(min=0).sqrt()),
         "entropy": entropy_effective_rank(eigenvalues),
     }
 
@@ -109,10 +109,12 @@ def kept_ranks(spectrum: Spectrum, rank_ratio: float) -> dict[str, int]:
 
 def residual_projections(eq: NormalEquation, spectrum: Spectrum, tau_init: torch.Tensor | None) -> torch.Tensor:
     """B Q for B = D - tau_init C and the eigenvectors Q with non-zero eigenvalue (d_out x rank), paper App. B.3."""
-    return _projected(eq.D, tau_init, spectrum.eigenvectors, spectrum.eigenvalues[: spectrum.rank])
+    return projected_residual(eq.D, tau_init, spectrum.eigenvectors, spectrum.eigenvalues[: spectrum.rank])
 
 
-def _projected(D: torch.Tensor, tau_init: torch.Tensor | None, Q: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+def projected_residual(
+    D: torch.Tensor, tau_init: torch.Tensor | None, Q: torch.Tensor, lam: torch.Tensor
+) -> torch.Tensor:
     """(D - tau_init C) Q computed as D Q - (tau_init Q) diag(lambda), C never formed."""
     projected = D @ Q
     return projected if tau_init is None else projected - (tau_init @ Q) * lam
@@ -203,206 +205,6 @@ def filter_family(
 
 
 # ---------------------------------------------------------------------------------------------
-# Optimizer as filter (paper Sec. 3.2.3, App. B.4 and C.2)
-
-
-@dataclass(frozen=True)
-class FilterProblem:
-    """One layer's WUDI quadratic in dense coordinates, with the eigenbasis of C on its non-zero eigenvalues.
-
-    ``times_C(X)`` is X C; it satisfies :class:`specmerge.methods.iterative.Quadratic`, so
-    :func:`specmerge.methods.iterative.quadratic_gradient` gives the optimizer's gradient 2 (tau C - D).
-    """
-
-    D: torch.Tensor  # d_out x d_in
-    tau_init: torch.Tensor  # d_out x d_in, the start of descent (and of the filter)
-    Q: torch.Tensor  # d_in x rank
-    eigenvalues: torch.Tensor  # rank, descending, all > 0
-    times_C: Callable[[torch.Tensor], torch.Tensor]
-
-    def residual_projections(self) -> torch.Tensor:
-        """B Q with B = D - tau_init C: the closed-form residual of direction k is B q_k / lambda_k."""
-        return _projected(self.D, self.tau_init, self.Q, self.eigenvalues)
-
-
-def dense_problem(eq: NormalEquation, spectrum: Spectrum, tau_init: torch.Tensor | None) -> FilterProblem:
-    """The filter problem of a dense layer; ``tau_init`` None is the zero start."""
-    start = torch.zeros_like(eq.D) if tau_init is None else tau_init
-    lam = spectrum.eigenvalues[: spectrum.rank]
-    return FilterProblem(eq.D, start, spectrum.eigenvectors, lam, eq.times_C)
-
-
-def factored_problem(
-    P: torch.Tensor, R: torch.Tensor, core: NormalEquation, spectrum: Spectrum, core_init: torch.Tensor | None
-) -> FilterProblem:
-    """The filter problem of a LoRA layer, tau_i = P T_i R^T, in dense coordinates without forming C.
-
-    D = P D_T R^T, q_k = R v_k, and X C = ((X R) C_T) R^T costs O(d_out d_in rank) instead of d_in^2.
-    """
-    C_core = core.C
-    start = torch.zeros_like(core.D) if core_init is None else core_init
-    lam = spectrum.eigenvalues[: spectrum.rank]
-    return FilterProblem(
-        P @ core.D @ R.T, P @ start @ R.T, R @ spectrum.eigenvectors, lam, lambda X: ((X @ R) @ C_core) @ R.T
-    )
-
-
-# Directions whose closed-form residual ||B q_k|| is below this share of the largest carry no filter
-# information (0 / 0): they are left out of the empirical filter and its fits.
-_RESIDUAL_FLOOR = 1e-12
-
-
-def fit_directions(problem: FilterProblem) -> torch.Tensor:
-    """Boolean mask of the directions whose empirical filter is defined (residual above the floor)."""
-    weight = problem.residual_projections().pow(2).sum(dim=0)
-    return weight > _RESIDUAL_FLOOR * float(weight.max()) if weight.numel() else weight > 0
-
-
-def empirical_filter(problem: FilterProblem, tau: torch.Tensor) -> torch.Tensor:
-    """h_k = lambda_k <(tau - tau_init) q_k, B q_k> / ||B q_k||^2, the per-direction filter of an iterate.
-
-    Relative to the closed-form solution from the same start: the update of direction k projected on the
-    pseudoinverse's update B q_k / lambda_k. For any tau of the unified estimator (paper Eq. 8) this returns
-    its h_k exactly; for Adam, whose update is not parallel to B q_k, it is the least-squares coefficient.
-    """
-    BQ = problem.residual_projections()
-    update = (tau - problem.tau_init) @ problem.Q
-    return problem.eigenvalues * (update * BQ).sum(dim=0) / BQ.pow(2).sum(dim=0)
-
-
-# Below this standard deviation an empirical filter is flat (saturated at 1 after many steps, or all 0):
-# its spread is rounding noise, and an R^2 against it is undefined (nan); the RMSE still says how close the fit is.
-_FLAT_FILTER_STD = 1e-6
-
-
-def r_squared(observed: torch.Tensor, fitted: torch.Tensor) -> float:
-    """Coefficient of determination 1 - SSE / SST; nan when the observed values are flat (std below 1e-6)."""
-    y, f = observed.double(), fitted.double()
-    sse = float((y - f).pow(2).sum())
-    sst = float((y - y.mean()).pow(2).sum())
-    if sst <= y.numel() * _FLAT_FILTER_STD**2:
-        return math.nan
-    return 1 - sse / sst
-
-
-def rmse(observed: torch.Tensor, fitted: torch.Tensor) -> float:
-    """Root mean squared difference."""
-    return float((observed.double() - fitted.double()).pow(2).mean().sqrt())
-
-
-def _fit_scalar(model: Callable[[float], torch.Tensor], observed: torch.Tensor, lo: float, hi: float) -> float:
-    """The x in [lo, hi] (log-spaced search, then bounded Brent) minimising ||observed - model(x)||^2."""
-
-    def sse(log_x: float) -> float:
-        return float((observed - model(math.exp(log_x))).pow(2).sum())
-
-    grid = torch.linspace(math.log(lo), math.log(hi), 241).tolist()
-    values = [sse(g) for g in grid]
-    best = min(range(len(grid)), key=values.__getitem__)
-    left, right = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
-    if right <= left:
-        return math.exp(grid[best])
-    found = optimize.minimize_scalar(sse, bounds=(left, right), method="bounded", options={"xatol": 1e-10})
-    return math.exp(found.x) if found.fun <= values[best] else math.exp(grid[best])
-
-
-@dataclass(frozen=True)
-class Fit:
-    """A one-parameter filter fitted to an empirical filter: the parameter, R^2 and RMSE."""
-
-    value: float
-    r2: float
-    rmse: float
-
-
-def fit_exponential(eigenvalues: torch.Tensor, h: torch.Tensor) -> Fit:
-    """Best t of h_k ~ 1 - exp(-t lambda_k) (least squares), with the fit's R^2 and RMSE."""
-    lam = eigenvalues.double()
-    t = _fit_scalar(lambda x: Exponential(x)(lam), h.double(), 1e-6 / float(lam.max()), 1e8 / float(lam.min()))
-    fitted = Exponential(t)(lam)
-    return Fit(t, r_squared(h, fitted), rmse(h, fitted))
-
-
-def fit_landweber(eigenvalues: torch.Tensor, h: torch.Tensor, eta: float) -> Fit:
-    """Best step count n (real) of h_k ~ 1 - (1 - eta lambda_k)^n for a fixed eta, with R^2 and RMSE.
-
-    Needs eta lambda_max < 1 (the non-oscillating regime, where a real n is meaningful); else all nan.
-    """
-    lam = eigenvalues.double()
-    if not eta * float(lam.max()) < 1:
-        return Fit(math.nan, math.nan, math.nan)
-    steps = _fit_scalar(
-        lambda x: Landweber(eta, x)(lam), h.double(), 1e-6 / (eta * float(lam.max())), 1e8 / (eta * float(lam.min()))
-    )
-    fitted = Landweber(eta, steps)(lam)
-    return Fit(steps, r_squared(h, fitted), rmse(h, fitted))
-
-
-@dataclass(frozen=True)
-class FilterFit:
-    """The empirical filter of one optimizer after ``step`` steps and its exponential / Landweber fits."""
-
-    optimizer: str
-    step: int
-    lr: float
-    t_eff: float
-    r2_exponential: float
-    rmse_exponential: float
-    n_eff: float
-    r2_landweber: float
-    rmse_landweber: float
-    h: torch.Tensor  # the empirical filter on the fitted directions
-
-    def row(self) -> dict[str, Any]:
-        """The fit as a flat record (without the filter values)."""
-        return {
-            "optimizer": self.optimizer,
-            "step": self.step,
-            "lr": self.lr,
-            "t_eff": self.t_eff,
-            "r2_exponential": self.r2_exponential,
-            "rmse_exponential": self.rmse_exponential,
-            "n_eff": self.n_eff,
-            "r2_landweber": self.r2_landweber,
-            "rmse_landweber": self.rmse_landweber,
-        }
-
-
-def optimizer_filter_trace(
-    problem: FilterProblem, *, optimizer: Optimizer, lr: float, checkpoints: Sequence[int]
-) -> list[FilterFit]:
-    """Run WUDI descent (:func:`~specmerge.methods.iterative.descend`,
-    gradient 2 (tau C - D)) and fit its filter at checkpoints.
-
-    A step of size a on the WUDI loss is a Landweber step eta = 2a on the normal equation
-    (``specmerge.methods.iterative``), so the Landweber fit uses eta = 2 lr and, for plain gradient descent,
-    recovers n_eff = step exactly. The exponential fit's t_eff is in the same units (t = eta n for small eta lambda).
-    Once the filter has saturated (h = 1 on every direction) R^2 is undefined (nan); the RMSE remains.
-    """
-    mask = fit_directions(problem)
-    lam = problem.eigenvalues[mask]
-    wanted = sorted({int(s) for s in checkpoints if s >= 1})
-    fits: list[FilterFit] = []
-
-    def record(step: int, tau: torch.Tensor) -> None:
-        if step in wanted:
-            h = empirical_filter(problem, tau)[mask]
-            exp, lw = fit_exponential(lam, h), fit_landweber(lam, h, 2 * lr)
-            fits.append(FilterFit(optimizer, step, lr, exp.value, exp.r2, exp.rmse, lw.value, lw.r2, lw.rmse, h.cpu()))
-
-    if wanted:
-        descend(
-            problem.tau_init,
-            quadratic_gradient(problem),
-            steps=wanted[-1],
-            lr=lr,
-            optimizer=optimizer,
-            callback=record,
-        )
-    return fits
-
-
-# ---------------------------------------------------------------------------------------------
 # Layer types and the per-model summary
 
 
@@ -439,10 +241,11 @@ def _mean(values: Iterable[float]) -> float:
 def summarize_layers(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The paper's per-architecture statistics (App. C, Table XVII) over per-layer rows, plus the cuts' proxy shares.
 
-    Rows are those of :func:`specmerge.diagnostics.inspect` (keys ``d_in``, ``rel_norms``, ``r_eff_participation``,
-    ``max_over_median``, ``l90_over_max``, ``lambda_max``, ``K_<rule>``, ``share_<rule>``); layers whose
-    experts are all zero are left out. The mean update magnitude runs over the (expert, layer) pairs with a
-    non-zero delta (a LoRA adapter that does not touch a layer does not count as a zero update).
+    Rows are the layer rows of :func:`specmerge.diagnostics.run.inspect_model` (keys ``d_in``, ``rel_norms``,
+    ``r_eff_participation``, ``max_over_median``, ``l90_over_max``, ``lambda_max``, ``K_<rule>``, ``share_<rule>``,
+    ``condition_on_range``); layers whose experts are all zero are left out. The mean update magnitude runs
+    over the (expert, layer) pairs with a non-zero delta (a LoRA adapter that does not touch a layer does not
+    count as a zero update).
     """
     live = [r for r in rows if r.get("n_nonzero", 0) > 0]
     magnitudes = [m for r in live for m in r["rel_norms"] if m > 0]
@@ -464,6 +267,3 @@ def summarize_layers(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         summary[f"{rule}_mean_K_ratio"] = _mean(r[f"K_{rule}"] / r["d_in"] for r in live)
         summary[f"{rule}_median_share"] = _median(r[f"share_{rule}"] for r in live)
     return summary
-
-
-RULES = ("fixed", "psqrt", "gavish_donoho", "participation")

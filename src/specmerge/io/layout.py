@@ -36,7 +36,7 @@ The config is the ``config.json`` of the base folder (or of the folder holding a
 ``*.index.json``). A base given as a single weights file (``.safetensors``, ``.bin``) has no config: nothing
 is transposed, so a GPT-2-family base must be given as its folder for matrix methods to see (out, in).
 PEFT adapters record the same fact as ``fan_in_fan_out`` (PEFT sets it exactly for Conv1D modules), so
-:func:`specmerge.pipeline.api.stored_in_out` also marks the weights such adapters change.
+:func:`transposed_weights` also marks the weights such adapters change.
 
 The orientation changes the result of the WUDI family, ``closed_form`` and ``spectral_filter`` (C is
 d_in x d_in). TSV-M and Iso-C treat the left and right singular vectors alike, so for them
@@ -54,8 +54,9 @@ from typing import Any
 import torch
 
 from specmerge.errors import SpecmergeError
-from specmerge.io.sources import folder_file
-from specmerge.linalg.lowrank import FactoredResult, LoraDelta
+from specmerge.io.files import folder_file
+from specmerge.io.formats import CONFIG_FILE
+from specmerge.linalg.lowrank import FactoredResult
 
 _GPT2 = frozenset(
     {
@@ -101,7 +102,6 @@ ARCHITECTURES: dict[str, str] = {
 COMPOSITE_MODEL_TYPES = frozenset({"encoder-decoder", "vision-encoder-decoder", "speech-encoder-decoder"})
 COMPOSITE_PARTS = ("encoder", "decoder")
 
-CONFIG_FILE = "config.json"
 CONV1D_LAYOUT = "conv1d (in, out), merged as (out, in)"  # the report's per-tensor "layout" of a transposed weight
 
 
@@ -168,16 +168,17 @@ def read_config(base: str | os.PathLike) -> dict[str, Any] | None:
     return config
 
 
-def transposed_weights(base: str | os.PathLike, infos: Mapping[str, Any]) -> frozenset[str]:
-    """The tensors of the base checkpoint at ``base`` that are stored (in, out) (Conv1D weights)."""
-    return stored_in_out(read_config(base), infos)
-
-
-def transpose_item(item: torch.Tensor | LoraDelta | None) -> torch.Tensor | LoraDelta | None:
-    """The other orientation of one expert's weight or low-rank delta (a view; (s B A)^T = s A^T B^T)."""
-    if isinstance(item, LoraDelta):
-        return LoraDelta(item.A.T, item.B.T, item.scale)
-    return None if item is None else item.T
+def transposed_weights(
+    base: str | os.PathLike, infos: Mapping[str, Any], experts: Sequence[Any] = ()
+) -> frozenset[str]:
+    """The tensors of the base checkpoint at ``base`` that are stored (in, out), which matrix methods merge
+    transposed: the Conv1D weights that the base's config.json implies, and the weights that ``experts``
+    (:class:`specmerge.io.experts.Expert`) say are stored so (adapters with ``fan_in_fan_out``: it covers a
+    base given as a single file)."""
+    names = set(stored_in_out(read_config(base), infos))
+    for expert in experts:
+        names.update(expert.stored_in_out_weights())
+    return frozenset(names)
 
 
 def transpose_result(delta: torch.Tensor | FactoredResult | None) -> torch.Tensor | FactoredResult | None:

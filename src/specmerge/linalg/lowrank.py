@@ -8,6 +8,8 @@ tau_init = P T_init R^T, and C has the eigenvalues of C_T plus zeros (DESIGN.md,
 without densifying"). So a spectral method run on the cores, told the real layer shape (for
 r * d_in, the Gavish-Donoho beta and median, and the zero-eigenvalue tolerance), returns the core
 of exactly the dense result: tau_hat = P T_hat R^T, a factorisation of rank at most sum r_i.
+A method declares that it has this property (``factored=True`` at registration); the merge itself is
+``Method.merge_factored`` in ``specmerge.methods``.
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ from typing import Any
 
 import torch
 
-from specmerge.methods.baselines import singular_value_floor
-from specmerge.methods.registry import compute_dtype, get_method
+from specmerge.linalg.precision import compute_dtype
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,15 @@ class FactoredResult:
         return self.left @ self.right
 
 
+def singular_value_floor(S: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """The numerical-rank tolerance max(d_out, d_in) * eps * sigma_1 (per matrix, for batched ``S``).
+
+    Singular values at or below it are structural zeros (a rank-deficient delta, e.g. a LoRA
+    expert); their singular vectors are arbitrary, so TSV-M, Iso-C and :func:`adapter_factors` leave them out.
+    """
+    return max(shape) * torch.finfo(S.dtype).eps * S[..., :1]
+
+
 def _orthonormal_basis(M: torch.Tensor) -> torch.Tensor:
     """Orthonormal columns spanning the numerical column space of M (SVD, relative tolerance)."""
     U, S, _ = torch.linalg.svd(M, full_matrices=False)
@@ -92,21 +102,6 @@ def factor_cores(
     R = _orthonormal_basis(torch.cat(As, dim=0).T)
     cores = torch.stack([e.scale * (P.T @ B) @ (A @ R) for e, B, A in zip(experts, Bs, As, strict=True)])
     return P, R, cores
-
-
-def merge_factored(method: str, experts: Sequence[LoraDelta], *, dtype: torch.dtype | None = None, **params: Any):
-    """Merge LoRA experts with a registered method that supports factored experts; exact, no densifying.
-
-    Returns a :class:`FactoredResult` whose ``dense()`` equals ``method`` on the dense B_i A_i stack.
-    The bases and the small solve run in float64 whatever ``dtype`` (the compute dtype of the result:
-    default float32 for half inputs, else the factors'): they are (sum r_i)-sized, so it costs nothing
-    and keeps the factored result at least as accurate as the dense one.
-    """
-    out_dtype = compute_dtype(experts[0].B, dtype).dtype
-    P, R, cores = factor_cores(experts, torch.float64)
-    result = get_method(method)(cores, full_shape=experts[0].shape, **params)
-    diagnostics = {**result.diagnostics, "factored_rank": min(P.shape[1], R.shape[1])}
-    return FactoredResult((P @ result.delta).to(out_dtype), R.T.to(out_dtype), diagnostics)
 
 
 @dataclass(frozen=True)

@@ -31,18 +31,21 @@ def fixed_ratio_rank(ratio: float, d_in: int) -> int:
     return min(d_in, _ceil(ratio * d_in))
 
 
+def participation_ratio(values: torch.Tensor) -> float:
+    """(sum v)^2 / sum v^2 of non-negative values (negatives clamped to 0): K for K equal values; 0 if all zero."""
+    v = values.detach().double().clamp(min=0)
+    square = float((v * v).sum())
+    return 0.0 if square == 0 else float(v.sum()) ** 2 / square
+
+
 def psqrt_rank(eigenvalues: torch.Tensor) -> int:
     """K = ceil((sum sigma)^2 / sum sigma^2), the participation ratio of sigma = sqrt(lambda) (Eq. 12)."""
-    sigma = _singular_values(eigenvalues)
-    energy = float((sigma**2).sum())
-    return 0 if energy == 0 else _ceil(float(sigma.sum()) ** 2 / energy)
+    return _ceil(participation_ratio(_singular_values(eigenvalues)))
 
 
 def participation_rank(eigenvalues: torch.Tensor) -> int:
     """K = ceil((sum lambda)^2 / sum lambda^2), the participation ratio of the eigenvalues themselves."""
-    lam = eigenvalues.detach().double().clamp(min=0)
-    square = float((lam**2).sum())
-    return 0 if square == 0 else _ceil(float(lam.sum()) ** 2 / square)
+    return _ceil(participation_ratio(eigenvalues))
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,42 +1,43 @@
-"""One registry of merge methods: a method's signature is its schema, CLI help and documentation.
+"""The registry of merge methods: a method's signature is its schema, CLI help and documentation.
 
-A method is a pure function ``fn(task_vectors, *, <params>) -> LayerResult`` where
-``task_vectors`` is the ``N x ...`` stack of expert deltas for one tensor. Parameters are the
-keyword-only arguments of ``fn``; their types, defaults and help text are read from the signature
-and the ``Args:`` section of the docstring. Three keyword names are reserved for context the caller
-supplies rather than the user: ``tensor_name`` and ``expert_keys`` (used by seeded methods) and
-``full_shape`` (methods that can merge small cores of low-rank experts exactly, see ``specmerge.linalg.lowrank``).
+A method is a pure function ``fn(task_vectors, *, <params>) -> LayerResult`` where ``task_vectors``
+is the ``N x ...`` stack of expert deltas for one tensor. :func:`register` turns it into a
+:class:`Method`: its parameters are the keyword-only arguments of ``fn`` (types, bounds and defaults
+from the signature, help text from the ``Args:`` section of the docstring), and what the caller may
+do with it is declared, not guessed from its name or signature:
+
+- ``linear_coefficient``: the merged delta is c * sum_i tau_i, so it is the same function of every
+  row (the executor merges such tensors in row blocks, or as concatenated LoRA factors);
+- ``factored``: ``fn`` run on the small cores T_i of LoRA experts tau_i = P T_i R^T returns the core
+  of exactly the dense result (:meth:`Method.merge_factored`); ``fn`` takes the real layer shape as
+  ``full_shape`` if it needs it;
+- ``seeded``: ``fn`` draws random numbers from ``tensor_name`` and ``expert_keys`` (the caller's context);
+- ``featured``, ``title``, ``settings``: how listings and the accuracy benchmark show it.
 
 Float parameters are finite: NaN is refused everywhere, and +-Inf (also written ``1e400``) too, except
-where a parameter's type says that +Inf means "no limit" (:data:`NonNegativeOrInf`, e.g. SWUDI's ``t``).
+where a parameter's type says that +Inf means "no limit" (:data:`.params.NonNegativeOrInf`, e.g. SWUDI's ``t``).
+This module imports nothing above ``specmerge.linalg``; the built-in methods register themselves from
+their family modules, which ``specmerge.methods`` (the catalog) imports.
 """
 
 from __future__ import annotations
 
-import difflib
 import functools
-import importlib
-import inspect
+import itertools
 import math
-import re
-import types
-import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import torch
 from pydantic import ConfigDict, Field, ValidationError, create_model
 
-# Parameter types with bounds, checked when a recipe or CLI call is validated, before any tensor is read.
-UnitInterval = Annotated[float, Field(ge=0, le=1)]
-NonNegative = Annotated[float, Field(ge=0)]
-Positive = Annotated[float, Field(gt=0)]
-Count = Annotated[int, Field(ge=0)]
-NonNegativeOrInf = Annotated[float, Field(ge=0, allow_inf_nan=True)]  # +inf means "no limit"; NaN is refused
+from specmerge.errors import unknown_name_message
+from specmerge.linalg.lowrank import FactoredResult, LoraDelta, factor_cores
+from specmerge.linalg.precision import compute_dtype
+from specmerge.methods.params import SEED_KEYWORDS, Param, parse_docstring, signature_params
 
-CONTEXT_KEYWORDS = frozenset({"tensor_name", "expert_keys", "full_shape"})
-BUILTIN_MODULES = ("specmerge.methods.spectral", "specmerge.methods.baselines", "specmerge.methods.iterative")
+LinearCoefficient = Callable[[Mapping[str, Any], int], float]
 
 
 @dataclass
@@ -51,35 +52,55 @@ class LayerResult:
 
 
 @dataclass(frozen=True)
-class Param:
-    """One user-facing parameter of a method."""
+class Setting:
+    """One row of the accuracy benchmark for a method: fixed ``params``, and a ``grid`` swept on validation data.
 
-    name: str
-    annotation: Any
-    default: Any
-    help: str
+    The row's candidates are every combination of the grid's values (first key outermost), each with
+    ``params``; the benchmark reports the best on validation data. ``label`` names the row in result files.
+    """
 
-    @property
-    def type_name(self) -> str:
-        return _type_name(self.annotation)
+    label: str
+    title: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+    grid: Mapping[str, Sequence[Any]] = field(default_factory=dict)
+
+    def candidates(self) -> tuple[dict[str, Any], ...]:
+        """The parameter sets of this row, in grid order."""
+        keys = list(self.grid)
+        combos = itertools.product(*self.grid.values())
+        return tuple({**self.params, **dict(zip(keys, combo, strict=True))} for combo in combos)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Method:
-    """A registered merge method."""
+    """A registered merge method: calling it validates the parameters and merges one stack of task vectors."""
 
     name: str
     fn: Callable[..., LayerResult]
     summary: str
     citation: str
-    needs_matrix: bool
+    title: str  # display name, e.g. "TSV-M"
+    needs_matrix: bool  # needs 2-D weights (an N x d_out x d_in stack)
     params: tuple[Param, ...]
-    context: frozenset[str]  # the reserved context keywords fn accepts
+    context: frozenset[str]  # the reserved context keywords ``fn`` accepts
+    factored: bool = False  # exact on the cores of LoRA experts: see :meth:`merge_factored`
+    seeded: bool = False  # draws random numbers from (tensor_name, expert_keys)
+    featured: bool = True  # shown in the demo, speed and inspect lists (False: reference implementations, ...)
+    variant_of: str | None = None  # the method whose implementation this one shares, with declared differences
+    settings: tuple[Setting, ...] = ()  # the accuracy benchmark's rows; () = not benchmarked
+    fixed: Mapping[str, Any] = field(default_factory=dict)  # keyword arguments always passed, not user-facing
+    coefficient: LinearCoefficient | None = None  # (validated params, N) -> c, when the merge is c * sum_i tau_i
 
     @property
-    def factored(self) -> bool:
-        """Whether the method merges the small cores of LoRA experts exactly (it takes ``full_shape``)."""
-        return "full_shape" in self.context
+    def linear(self) -> bool:
+        """Whether the merged delta is c * sum_i tau_i (the same function of every row and every entry)."""
+        return self.coefficient is not None
+
+    def linear_coefficient(self, params: Mapping[str, Any], n: int) -> float | None:
+        """c in merged delta = c * sum_i tau_i for ``n`` experts and these params; None if not linear or n = 0."""
+        if self.coefficient is None or n == 0:
+            return None
+        return self.coefficient(self.validate(params), n)
 
     def param(self, name: str) -> Param:
         for p in self.params:
@@ -110,9 +131,13 @@ class Method:
                 raise ValueError(f"method '{self.name}': parameter '{key}' must be a number, not NaN")
         return values
 
+    def params_schema(self) -> dict[str, Any]:
+        """The JSON Schema of this method's ``params`` (types, bounds, defaults, help as descriptions)."""
+        return self._model.model_json_schema()
+
     @functools.cached_property
     def _model(self) -> Any:
-        fields = {p.name: (p.annotation, p.default) for p in self.params}
+        fields = {p.name: (p.annotation, Field(default=p.default, description=p.help)) for p in self.params}
         config = ConfigDict(extra="forbid", strict=False, allow_inf_nan=False)  # see the module docstring
         return create_model(f"{self.name}_params", __config__=config, **fields)
 
@@ -123,28 +148,72 @@ class Method:
         dtype: torch.dtype | None = None,
         tensor_name: str = "",
         expert_keys: Sequence[str] | None = None,
-        full_shape: tuple[int, int] | None = None,
         **params: Any,
     ) -> LayerResult:
         """Validate ``params`` and run the method on one stack of task vectors.
 
         ``dtype`` is the compute dtype (default: float32 for half inputs, else the input's).
+        ``tensor_name`` names the tensor in errors; with ``expert_keys`` it seeds a seeded method.
         """
         values = self.validate(params)
+        self._check_stack(task_vectors, tensor_name)
+        if self.seeded:
+            values.update(tensor_name=tensor_name, expert_keys=expert_keys)
+        return self.fn(compute_dtype(task_vectors, dtype), **values, **self.fixed)
+
+    def merge_cores(
+        self,
+        cores: torch.Tensor,
+        full_shape: tuple[int, int],
+        *,
+        dtype: torch.dtype | None = None,
+        tensor_name: str = "",
+        expert_keys: Sequence[str] | None = None,
+        **params: Any,
+    ) -> LayerResult:
+        """Run a factored method on the cores T_i (N x p x q) of experts tau_i = P T_i R^T of shape ``full_shape``.
+
+        Returns the core of the merged delta: the dense merge is P @ delta @ R^T (see :meth:`merge_factored`).
+        """
+        if not self.factored:
+            raise ValueError(f"method '{self.name}' cannot merge factored (low-rank) experts; densify them first")
+        values = self.validate(params)
+        self._check_stack(cores, tensor_name)
+        if self.seeded:
+            values.update(tensor_name=tensor_name, expert_keys=expert_keys)
+        if "full_shape" in self.context:
+            values["full_shape"] = full_shape
+        return self.fn(compute_dtype(cores, dtype), **values, **self.fixed)
+
+    def merge_factored(
+        self, deltas: Sequence[LoraDelta], *, dtype: torch.dtype | None = None, **params: Any
+    ) -> FactoredResult:
+        """Merge LoRA experts exactly, without densifying: ``result.dense()`` equals the method on the B_i A_i stack.
+
+        The bases and the small solve run in float64 whatever ``dtype`` (the compute dtype of the result:
+        default float32 for half inputs, else the factors'): they are (sum r_i)-sized, so it costs nothing
+        and keeps the factored result at least as accurate as the dense one.
+        """
+        if not self.factored:
+            raise ValueError(f"method '{self.name}' cannot merge factored (low-rank) experts; densify them first")
+        if not deltas:
+            raise ValueError(f"method '{self.name}': no LoRA experts given")
+        out_dtype = compute_dtype(deltas[0].B, dtype).dtype
+        P, R, cores = factor_cores(deltas, torch.float64)
+        result = self.merge_cores(cores, deltas[0].shape, **params)
+        diagnostics = {**result.diagnostics, "factored_rank": min(P.shape[1], R.shape[1])}
+        return FactoredResult((P @ result.delta).to(out_dtype), R.T.to(out_dtype), diagnostics)
+
+    def __reduce__(self) -> tuple[Callable[[str], Method], tuple[str]]:
+        """Pickled (for worker processes) and copied by name: a registered method is one object per process."""
+        return lookup, (self.name,)
+
+    def _check_stack(self, task_vectors: torch.Tensor, tensor_name: str) -> None:
         if self.needs_matrix and task_vectors.dim() != 3:
             raise ValueError(
                 f"method '{self.name}' needs 2-D weights (a stack N x d_out x d_in), "
                 f"got a stack of shape {tuple(task_vectors.shape)} for tensor '{tensor_name or '?'}'"
             )
-        if "tensor_name" in self.context:
-            values["tensor_name"] = tensor_name
-        if "expert_keys" in self.context:
-            values["expert_keys"] = expert_keys
-        if full_shape is not None:
-            if "full_shape" not in self.context:
-                raise ValueError(f"method '{self.name}' cannot merge factored (low-rank) experts; densify them first")
-            values["full_shape"] = full_shape
-        return self.fn(compute_dtype(task_vectors, dtype), **values)
 
 
 def _is_nan(value: Any) -> bool:
@@ -157,107 +226,98 @@ def _is_nan(value: Any) -> bool:
     return isinstance(value, float) and math.isnan(value)
 
 
-def compute_dtype(task_vectors: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Cast to the compute dtype: ``dtype`` if given, float32 for half inputs, else unchanged."""
-    if not task_vectors.is_floating_point():
-        raise TypeError(f"task vectors must be floating point, got {task_vectors.dtype}")
-    if dtype is not None:
-        return task_vectors.to(dtype)
-    if task_vectors.dtype in (torch.float16, torch.bfloat16):
-        return task_vectors.float()
-    return task_vectors
-
-
 _METHODS: dict[str, Method] = {}
 
 
-def register(name: str, *, citation: str, needs_matrix: bool = True) -> Callable:
-    """Decorator: add a method to the registry, deriving its parameters from the signature."""
+def register(
+    name: str,
+    *,
+    citation: str,
+    title: str | None = None,
+    needs_matrix: bool = True,
+    linear_coefficient: LinearCoefficient | None = None,
+    factored: bool = False,
+    seeded: bool = False,
+    featured: bool = True,
+    settings: Sequence[Setting] | None = None,
+    fixed: Mapping[str, Any] | None = None,
+) -> Callable[[Callable[..., LayerResult]], Method]:
+    """Decorator: add a method to the registry and return its :class:`Method` (call that, not the raw function).
 
-    def wrap(fn: Callable[..., LayerResult]) -> Callable[..., LayerResult]:
-        if name in _METHODS:
-            raise ValueError(f"method '{name}' is registered twice")
-        summary, helps = _parse_docstring(fn)
-        hints = typing.get_type_hints(fn, include_extras=True)
-        params = []
-        signature = inspect.signature(fn).parameters
-        for p in signature.values():
-            if p.kind is not inspect.Parameter.KEYWORD_ONLY or p.name in CONTEXT_KEYWORDS:
-                continue
-            if p.default is inspect.Parameter.empty:
-                raise TypeError(f"method '{name}': parameter '{p.name}' needs a default")
-            if p.name not in helps:
-                raise TypeError(f"method '{name}': parameter '{p.name}' has no help text in the docstring")
-            params.append(Param(p.name, hints[p.name], p.default, helps[p.name]))
-        context = frozenset(CONTEXT_KEYWORDS & signature.keys())
-        _METHODS[name] = Method(name, fn, summary, citation, needs_matrix, tuple(params), context)
-        return fn
+    ``title`` defaults to ``name``; ``settings`` to one benchmark row ``Setting(name, title)`` (``()``: none);
+    ``fixed`` are keyword arguments of ``fn`` that are passed as given and are not parameters of the method
+    (the declared difference of a variant, see :func:`register_variant`). The capabilities are described in
+    the module docstring; ``seeded`` and ``factored`` must agree with the context keywords ``fn`` accepts.
+    """
+
+    def wrap(fn: Callable[..., LayerResult]) -> Method:
+        summary, helps = parse_docstring(fn)
+        params, context = signature_params(name, fn, dict(fixed or {}), {}, helps)
+        method = Method(
+            name, fn, summary, citation, title or name, needs_matrix, params, context, factored, seeded, featured,
+            None, _settings(settings, name, title or name), dict(fixed or {}), linear_coefficient,
+        )  # fmt: skip
+        return _add(method)
 
     return wrap
 
 
-def _load_builtins() -> None:
-    for module in BUILTIN_MODULES:
-        importlib.import_module(module)
+def register_variant(
+    name: str,
+    of: Method,
+    *,
+    title: str,
+    summary: str,
+    fixed: Mapping[str, Any] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    citation: str | None = None,
+    featured: bool = True,
+    settings: Sequence[Setting] | None = None,
+) -> Method:
+    """Register ``name`` as a variant of the method ``of``: the same function, parameters and capabilities,
+    with the declared differences only (``fixed`` arguments, parameter ``defaults``, a ``summary``)."""
+    _, helps = parse_docstring(of.fn)
+    all_fixed = {**of.fixed, **(fixed or {})}
+    params, context = signature_params(name, of.fn, all_fixed, dict(defaults or {}), helps)
+    method = Method(
+        name, of.fn, summary, citation or of.citation, title, of.needs_matrix, params, context, of.factored,
+        of.seeded, featured, of.name, _settings(settings, name, title), all_fixed, of.coefficient,
+    )  # fmt: skip
+    return _add(method)
 
 
-def all_methods() -> dict[str, Method]:
-    """All registered methods, by name."""
-    _load_builtins()
-    return dict(_METHODS)
+def _settings(settings: Sequence[Setting] | None, name: str, title: str) -> tuple[Setting, ...]:
+    return (Setting(name, title),) if settings is None else tuple(settings)
 
 
-def get_method(name: str) -> Method:
+def _add(method: Method) -> Method:
+    """Check the declared capabilities against the signature and the settings against the parameters; store."""
+    if method.name in _METHODS:
+        raise ValueError(f"method '{method.name}' is registered twice")
+    accepts_seed = method.context & SEED_KEYWORDS
+    if method.seeded and accepts_seed != SEED_KEYWORDS:
+        raise TypeError(f"method '{method.name}' is declared seeded: its function must accept tensor_name, expert_keys")
+    if accepts_seed and not method.seeded:
+        raise TypeError(f"method '{method.name}' accepts {', '.join(sorted(accepts_seed))}: declare seeded=True")
+    if "full_shape" in method.context and not method.factored:
+        raise TypeError(f"method '{method.name}' accepts full_shape: declare factored=True if it is exact on cores")
+    known = {p.name for p in method.params}
+    for setting in method.settings:
+        unknown = (set(setting.params) | set(setting.grid)) - known
+        if unknown:
+            raise TypeError(f"method '{method.name}': setting '{setting.label}' sets unknown {sorted(unknown)}")
+    _METHODS[method.name] = method
+    return method
+
+
+def registered() -> list[Method]:
+    """Every registered method, in registration order (``specmerge.methods.all_methods`` gives display order)."""
+    return list(_METHODS.values())
+
+
+def lookup(name: str) -> Method:
     """The method called ``name``; an unknown name raises with a did-you-mean hint."""
-    _load_builtins()
     try:
         return _METHODS[name]
     except KeyError:
         raise ValueError(unknown_name_message("method", name, list(_METHODS))) from None
-
-
-def unknown_name_message(what: str, name: str, known: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f"did you mean '{close[0]}'? " if close else ""
-    return f"unknown {what} '{name}': {hint}known: {', '.join(sorted(known))}"
-
-
-def _parse_docstring(fn: Callable) -> tuple[str, dict[str, str]]:
-    doc = inspect.getdoc(fn) or ""
-    summary = doc.split("\n\n")[0].replace("\n", " ").strip()
-    helps: dict[str, str] = {}
-    match = re.search(r"^Args:\n((?:[ \t]+.*\n?|\n)+)", doc, flags=re.MULTILINE)
-    if match:
-        current = None
-        for line in match.group(1).splitlines():
-            entry = re.match(r"^\s{4}(\w+)(?: \([^)]*\))?:\s*(.*)$", line)
-            if entry:
-                current = entry.group(1)
-                helps[current] = entry.group(2).strip()
-            elif current and line.strip():
-                helps[current] += " " + line.strip()
-    return summary, helps
-
-
-def _type_name(annotation: Any) -> str:
-    origin = typing.get_origin(annotation)
-    if origin is Annotated:
-        inner, *extras = typing.get_args(annotation)
-        bounds = [_bound_text(m) for extra in extras for m in getattr(extra, "metadata", [extra])]
-        return " ".join([_type_name(inner), *filter(None, bounds)])
-    if origin is Literal:
-        return "{" + ",".join(str(a) for a in typing.get_args(annotation)) + "}"
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(annotation))
-    if annotation is type(None):
-        return "None"
-    return getattr(annotation, "__name__", str(annotation))
-
-
-def _bound_text(constraint: Any) -> str:
-    for attr, symbol in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
-        if hasattr(constraint, attr):
-            return f"{symbol}{getattr(constraint, attr)}"
-    if getattr(constraint, "allow_inf_nan", False):
-        return "or inf"
-    return ""

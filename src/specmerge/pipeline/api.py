@@ -1,7 +1,9 @@
-"""Whole-model merges: recipe -> sources -> plan -> executor -> writer -> report.
+"""Whole-model merges: recipe -> inputs -> plan -> job -> executor -> writer -> report.
 
 ``merge(base, experts, output, method=..., params=...)`` is the Python entry point;
-``run_recipe(recipe, output)`` does the work for both it and the command line.
+``run_recipe(recipe, output)`` does the work for both it and the command line. Both take an ``executor``
+(:class:`specmerge.pipeline.work.Executor`; default the in-process
+:class:`~specmerge.pipeline.executor.StreamingExecutor`) that runs the job's work items.
 """
 
 from __future__ import annotations
@@ -18,23 +20,23 @@ from typing import Any
 
 import torch
 
-from specmerge.io.adapters import AdapterExpert, adapter_config, is_adapter, open_adapter, write_adapter
+from specmerge.errors import RecipeError
+from specmerge.io.experts import AdapterExpert
 from specmerge.io.layout import transposed_weights
-from specmerge.io.sources import TensorInfo, TensorSource, open_source
-from specmerge.io.writer import (
-    OutputError,
-    ShardWriter,
-    atomic_directory,
-    check_output,
-    copy_model_files,
-    model_files,
-    write_output_config,
-)
-from specmerge.methods.registry import all_methods, get_method
-from specmerge.pipeline.executor import resolve_device, run_adapter_plan, run_plan
-from specmerge.pipeline.plan import make_plan, summarize
-from specmerge.pipeline.recipe import DTYPES, Recipe, RecipeError
+from specmerge.io.model_files import copy_model_files, model_files, write_output_config
+from specmerge.io.output import atomic_directory, check_output
+from specmerge.io.peft import adapter_config, write_adapter
+from specmerge.io.protocol import TensorInfo, TensorSource
+from specmerge.io.writer import ShardWriter
+from specmerge.methods import get_method
+from specmerge.pipeline.compute import resolve_device
+from specmerge.pipeline.executor import StreamingExecutor
+from specmerge.pipeline.inputs import open_inputs, refuse_output_inside_inputs
+from specmerge.pipeline.jobs import AdapterJob, ComputeOptions, ModelJob
+from specmerge.pipeline.plan import TensorPlan, check_lora_output, make_plan, summarize
+from specmerge.pipeline.recipe import DTYPES, Recipe
 from specmerge.pipeline.threads import check_threads, merge_threads
+from specmerge.pipeline.work import Executor, TensorReport
 from specmerge.version import __version__
 
 
@@ -49,6 +51,7 @@ def merge(
     progress: bool = True,
     fsync: bool = True,
     threads: int | None = None,
+    executor: Executor | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Merge ``experts`` (fine-tuned from ``base``) into a new model folder ``output``; return the report.
@@ -57,7 +60,8 @@ def merge(
     see :class:`specmerge.pipeline.recipe.Recipe`. Everything is validated before any tensor is read. With
     ``fsync`` (default) the shards are flushed to disk before the folder is renamed into place. ``threads``
     is torch's thread count during the merge (default: chosen from the CPUs free,
-    see :mod:`specmerge.pipeline.threads`).
+    see :mod:`specmerge.pipeline.threads`). ``executor`` runs the work items (default:
+    :class:`~specmerge.pipeline.executor.StreamingExecutor`).
     """
     recipe = Recipe.from_dict(
         {  # absolute paths: the recipe written next to the output must work from anywhere
@@ -68,7 +72,9 @@ def merge(
             **options,
         }
     )
-    return run_recipe(recipe, output, overwrite=overwrite, progress=progress, fsync=fsync, threads=threads)
+    return run_recipe(
+        recipe, output, overwrite=overwrite, progress=progress, fsync=fsync, threads=threads, executor=executor
+    )
 
 
 def _path_list(experts: Any) -> list[Any]:
@@ -112,44 +118,44 @@ def run_recipe(
     progress: bool = True,
     fsync: bool = True,
     threads: int | None = None,
+    executor: Executor | None = None,
 ) -> dict:
-    """Run a validated recipe and write the merged model (or adapter) folder atomically; return the report."""
+    """Run a validated recipe and write the merged model (or adapter) folder atomically; return the report.
+
+    ``executor`` runs the work items (:class:`~specmerge.pipeline.work.Executor`; default
+    :class:`~specmerge.pipeline.executor.StreamingExecutor`); the output files do not depend on it.
+    """
     check_threads(threads)
+    executor = StreamingExecutor() if executor is None else executor
     output = Path(output)
-    _refuse_output_inside_inputs(output, [recipe.base, *recipe.experts])
+    refuse_output_inside_inputs(output, [recipe.base, *recipe.experts])
     check_output(output, overwrite)  # before any work: parent exists, an existing folder may be replaced
-    device = resolve_device(recipe.device)
-    compute_dtype = getattr(torch, recipe.compute_dtype)
+    options = ComputeOptions(resolve_device(recipe.device), getattr(torch, recipe.compute_dtype), recipe.expert_keys)
     started = time.perf_counter()
     method = get_method(recipe.method)
     with ExitStack() as stack:
         threads_used = stack.enter_context(merge_threads(threads))  # torch's count restored on leaving
-        base = stack.enter_context(open_source(recipe.base))
-        experts = [stack.enter_context(open_expert(path, base.infos())) for path in recipe.experts]
-        _refuse_duplicate_inputs([recipe.base, *recipe.experts], [base, *experts])
-        _refuse_output_inside_inputs(output, [recipe.base, *recipe.experts], [base, *experts])
+        base, experts = open_inputs(stack, recipe.base, recipe.experts, output)
         if recipe.output_format == "model":
             model_files(recipe.base)  # the files copied at the end, checked before any work
-        transposed = stored_in_out(recipe.base, base.infos(), experts)
+        transposed = transposed_weights(recipe.base, base.infos(), experts)
         plan = make_plan(recipe, base.infos(), [e.infos() for e in experts], list(recipe.experts), transposed)
         if recipe.output_format == "lora":
-            _check_lora_output(recipe, plan, experts)
+            check_lora_output(recipe, plan, experts)
         summary = summarize(plan)  # its output bytes go into a full disk's message
         size = summary["bytes"] if recipe.output_format == "model" else None
         with atomic_directory(output, overwrite=overwrite, expected_bytes=size) as folder:
             if recipe.output_format == "lora":
-                reports, extra = _write_adapter(recipe, plan, experts, folder, device, compute_dtype, progress)
+                reports, extra = _write_adapter(recipe, plan, experts, folder, options, executor, progress)
             else:
-                reports, extra = _write_model(
-                    recipe, plan, base, experts, folder, device, compute_dtype, progress, fsync
-                )
+                reports, extra = _write_model(recipe, plan, base, experts, folder, options, executor, progress, fsync)
             report = {
                 "specmerge": __version__,
                 "method": recipe.method,
                 "citation": method.citation,
                 "params": recipe.params,
                 "output_format": recipe.output_format,
-                "device": str(device),
+                "device": str(options.device),
                 "threads": threads_used.threads,
                 "threads_from": threads_used.source,
                 "torch": torch.__version__,
@@ -166,30 +172,17 @@ def run_recipe(
     return report
 
 
-def stored_in_out(base: str | os.PathLike, base_infos: dict[str, TensorInfo], experts: Sequence[Any]) -> frozenset[str]:
-    """The base weights stored (in, out), which matrix methods merge transposed: the Conv1D weights that the
-    base's config.json implies (:mod:`specmerge.io.layout`), and the weights that adapters with ``fan_in_fan_out``
-    change (PEFT sets it exactly for Conv1D modules; it covers a base given as a single file)."""
-    names = set(transposed_weights(base, base_infos))
-    for expert in experts:
-        if isinstance(expert, AdapterExpert) and expert.adapter.config.get("fan_in_fan_out"):
-            names.update(expert.adapter.modules())
-    return frozenset(names)
-
-
-def open_expert(path: str | os.PathLike, base_infos: dict[str, TensorInfo]) -> TensorSource | AdapterExpert:
-    """An expert checkpoint (full weights) or PEFT LoRA adapter folder, checked against the base's tensors."""
-    if not is_adapter(path):
-        return open_source(path)
-    adapter = open_adapter(path)
-    try:
-        return AdapterExpert(adapter, base_infos)
-    except BaseException:
-        adapter.close()
-        raise
-
-
-def _write_model(recipe, plan, base, experts, folder, device, compute_dtype, progress, fsync) -> tuple[list, dict]:
+def _write_model(
+    recipe: Recipe,
+    plan: list[TensorPlan],
+    base: TensorSource,
+    experts: Sequence[Any],
+    folder: Path,
+    options: ComputeOptions,
+    executor: Executor,
+    progress: bool,
+    fsync: bool,
+) -> tuple[list[TensorReport], dict]:
     writer = ShardWriter(
         folder,
         [TensorInfo(p.name, p.shape, p.out_dtype) for p in plan],
@@ -198,56 +191,25 @@ def _write_model(recipe, plan, base, experts, folder, device, compute_dtype, pro
         fsync=fsync,
     )
     with writer:  # closes (index, completeness check) on success, aborts on error
-        reports = run_plan(
-            plan,
-            base,
-            experts,
-            writer.write,
-            device=device,
-            compute_dtype=compute_dtype,
-            expert_keys=recipe.expert_keys,
-            progress=progress,
-        )
+        reports = executor.run(ModelJob(plan, base, experts, writer.write, options), progress=progress)
     copy_model_files(Path(recipe.base), folder)
     write_output_config(folder, [TensorInfo(p.name, p.shape, p.out_dtype) for p in plan])
     return reports, {}
 
 
-def _check_lora_output(recipe: Recipe, plan: list, experts: list) -> None:
-    """Refuse, before anything is written, what cannot become a PEFT adapter."""
-    full = [str(e.path) for e in experts if not isinstance(e, AdapterExpert)]
-    if full:
-        raise ValueError(
-            f"output_format lora needs every expert to be a LoRA adapter, but '{full[0]}' is a full checkpoint: "
-            "write a merged model instead (output_format model)"
-        )
-    if len({bool(e.adapter.config.get("fan_in_fan_out")) for e in experts}) > 1:
-        raise ValueError("the adapters disagree on fan_in_fan_out: they were not trained on the same base model")
-    if recipe.max_rank is not None:
-        return
-    for entry in plan:
-        densified = entry.action == "merge" and not get_method(entry.method).factored
-        if densified and any(e.changes(entry.name) for e in experts):
-            factored = ", ".join(sorted(name for name, m in all_methods().items() if m.factored))
-            raise ValueError(
-                f"method '{entry.method}' (tensor '{entry.name}') densifies LoRA experts, so its result is not "
-                "low-rank: give max_rank (--max-rank K) to write its best rank-K approximation, or use a "
-                f"method with an exact factored form ({factored})"
-            )
-
-
-def _write_adapter(recipe, plan, experts, folder, device, compute_dtype, progress) -> tuple[list, dict]:
+def _write_adapter(
+    recipe: Recipe,
+    plan: list[TensorPlan],
+    experts: Sequence[AdapterExpert],
+    folder: Path,
+    options: ComputeOptions,
+    executor: Executor,
+    progress: bool,
+) -> tuple[list[TensorReport], dict]:
     out_dtype = DTYPES[recipe.dtype] if recipe.dtype != "auto" else experts[0].adapter.dtype
-    factors, reports = run_adapter_plan(
-        plan,
-        experts,
-        device=device,
-        compute_dtype=compute_dtype,
-        max_rank=recipe.max_rank,
-        out_dtype=out_dtype,
-        expert_keys=recipe.expert_keys,
-        progress=progress,
-    )
+    job = AdapterJob(plan, experts, options, max_rank=recipe.max_rank, out_dtype=out_dtype)
+    reports = executor.run(job, progress=progress)
+    factors = job.factors()
     ranks = {name: f.rank for name, f in factors.items()}
     write_adapter(folder, factors, adapter_config(ranks, base_model=recipe.base, like=experts[0].adapter.config))
     extra = {
@@ -280,60 +242,3 @@ def model_card(recipe: Recipe, citation: str) -> str:
         "Per-tensor diagnostics (kept rank, spectrum, time) are in `report.json`.\n\n"
         f"## Recipe\n\n```yaml\n{recipe.to_yaml()}```\n"
     )
-
-
-def _refuse_output_inside_inputs(output: Path, inputs: Sequence[str], sources: Sequence[Any] = ()) -> None:
-    """Refuse an output that is, holds or lies inside an input, so that replacing it can never delete an input.
-
-    Compares the real paths (links resolved) of the output and of the typed ``inputs`` and, given the opened
-    ``sources`` (one per input, in order), of every file they read: a file reached through a link counts
-    where it really lies.
-    """
-    target = Path(os.path.realpath(output))  # never raises, even for a symbolic link loop
-    for path in inputs:
-        source = Path(os.path.realpath(path))
-        if target == source or source in target.parents or target in source.parents:
-            raise OutputError(f"output '{output}' overlaps the input '{path}': choose a separate output folder")
-    for path, source in zip(inputs, sources, strict=False):
-        for file in source.files():
-            if file == target or target in file.parents:
-                raise OutputError(
-                    f"output '{output}' holds {file}, which the input '{path}' reads (through a link): "
-                    "choose a separate output folder"
-                )
-
-
-def _refuse_duplicate_inputs(inputs: Sequence[str], sources: Sequence[Any]) -> None:
-    """Refuse an expert that reads the same files as the base or as another expert.
-
-    ``inputs`` are the base and then the experts, ``sources`` the opened ones in the same order. Files are
-    compared as the files really read (device and inode), so a link, a hard link, or a folder given once as
-    a folder and once as its own weights file are all found.
-    """
-    seen: dict[frozenset, int] = {}
-    for i, source in enumerate(sources):
-        files = source.files()
-        key = frozenset(_file_identity(f) for f in files)
-        first = seen.setdefault(key, i)
-        if first == i:
-            continue
-        shown = f"{files[-1]}" + (f" and {len(files) - 1} more" if len(files) > 1 else "")
-        if first == 0:
-            raise RecipeError(
-                f"expert '{inputs[i]}' is the base model '{inputs[0]}' (both read {shown}): an expert is a "
-                "fine-tuned copy of the base; remove it from the experts",
-                ("experts", i - 1),
-            )
-        raise RecipeError(
-            f"experts '{inputs[first]}' and '{inputs[i]}' are the same checkpoint (both read {shown}): "
-            "list each expert once",
-            ("experts", i - 1),
-        )
-
-
-def _file_identity(path: Path) -> tuple[int, int] | str:
-    try:
-        info = os.stat(path)
-    except OSError:
-        return str(path)
-    return info.st_dev, info.st_ino

@@ -50,7 +50,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from specmerge.errors import SpecmergeError
-from specmerge.methods.registry import Method, get_method
+from specmerge.methods import Method, all_methods, get_method
 from specmerge.pipeline.recipe import DTYPES, Recipe
 
 Action = Literal["merge", "average", "keep_base"]
@@ -74,7 +74,7 @@ EMBEDDING_NAMES = frozenset({"output.weight", "embeddings.weight", "embedding.we
 
 
 class TensorInfoLike(Protocol):
-    """What the plan needs to know of a stored tensor (``specmerge.io.sources.TensorInfo`` is one)."""
+    """What the plan needs to know of a stored tensor (``specmerge.io.protocol.TensorInfo`` is one)."""
 
     name: str
     shape: Sequence[int]
@@ -221,6 +221,34 @@ def summarize(plan: Sequence[TensorPlan]) -> dict[str, Any]:
             tally(summary["by_method"], entry.method, nbytes)
         tally(summary["by_reason"], entry.reason, nbytes)
     return summary
+
+
+def check_lora_output(recipe: Recipe, plan: Sequence[TensorPlan], experts: Sequence[Any]) -> None:
+    """Refuse, before anything is written, what cannot become a PEFT adapter (``output_format: lora``).
+
+    Every expert must be a LoRA adapter (:class:`specmerge.io.experts.AdapterExpert`), all agreeing on
+    ``fan_in_fan_out``; without ``max_rank`` every merged tensor that an adapter changes needs a method with an
+    exact factored form (``Method.factored``), since a densifying method's result is not low-rank.
+    """
+    full = [str(e.path) for e in experts if not e.low_rank]
+    if full:
+        raise PlanError(
+            f"output_format lora needs every expert to be a LoRA adapter, but '{full[0]}' is a full checkpoint: "
+            "write a merged model instead (output_format model)"
+        )
+    if len({e.fan_in_fan_out for e in experts}) > 1:
+        raise PlanError("the adapters disagree on fan_in_fan_out: they were not trained on the same base model")
+    if recipe.max_rank is not None:
+        return
+    for entry in plan:
+        densified = entry.action == "merge" and not get_method(entry.method).factored
+        if densified and any(e.changes(entry.name) for e in experts):
+            factored = ", ".join(sorted(name for name, m in all_methods().items() if m.factored))
+            raise PlanError(
+                f"method '{entry.method}' (tensor '{entry.name}') densifies LoRA experts, so its result is not "
+                "low-rank: give max_rank (--max-rank K) to write its best rank-K approximation, or use a "
+                f"method with an exact factored form ({factored})"
+            )
 
 
 def _plan_tensor(

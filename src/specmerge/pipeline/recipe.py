@@ -8,23 +8,26 @@ key, the value and, for misspellings, the closest valid name.
 
 After validation a recipe is complete: ``params`` (and every merge override's ``params``) hold every
 parameter of their method with defaults filled in, and ``expert_keys`` holds one unique name per expert.
+
+The model is also the one source of ``specmerge merge``'s options: each field's ``description`` is its
+help, and its flag is ``--field-name`` unless a :class:`~specmerge.pipeline.values.Flag` says otherwise.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from specmerge.errors import SpecmergeError
-from specmerge.methods.registry import all_methods, get_method, unknown_name_message
+from specmerge.errors import RecipeError, unknown_name_message
+from specmerge.methods import all_methods, get_method
+from specmerge.pipeline.values import Device, Flag, parse_size
 
 # Output and compute dtypes a recipe may name.
 DTYPES: dict[str, torch.dtype] = {
@@ -33,39 +36,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
 }
-# Decimal units are powers of 1000 (5GB = 5e9 bytes, as Hugging Face writes shard sizes), binary ones of 1024.
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_SIZE_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-DEVICE_PATTERN = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")  # the devices a recipe may name
-
-
-class RecipeError(SpecmergeError):
-    """An invalid recipe. ``loc`` is the place in the recipe document (keys and list indices), when known."""
-
-    def __init__(self, message: str, loc: Sequence[str | int] = ()) -> None:
-        super().__init__(message)
-        self.loc = tuple(loc)
-
-
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string such as ``"500MB"``, ``"2GB"`` (10**9) or ``"1.5GiB"`` (2**30)."""
-    if isinstance(value, bool):
-        raise RecipeError(f"shard_size must be a number of bytes or a size such as '5GB', got {value!r}")
-    if isinstance(value, int):
-        size = value
-    else:
-        match = _SIZE.match(str(value))
-        unit = match.group(2).lower() if match else None
-        if unit not in _SIZE_UNITS:
-            raise RecipeError(
-                f"shard_size {value!r} is not a size: use bytes or a number with a unit "
-                f"(B, KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = powers of 1024), e.g. '5GB'"
-            )
-        size = round(float(match.group(1)) * _SIZE_UNITS[unit])
-    if size < 1:
-        raise RecipeError(f"shard_size must be at least 1 byte, got {value!r}")
-    return size
 
 
 class Override(BaseModel):
@@ -107,23 +77,59 @@ class Recipe(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    base: str = Field(min_length=1)
-    experts: list[str] = Field(min_length=1)
-    # Names of the experts for seeded methods (DARE); default: each expert path's folder/file name, made unique.
-    expert_keys: list[str] | None = Field(default=None, validate_default=True)
-    method: str = "swudi_a"
-    params: dict[str, Any] = Field(default_factory=dict, validate_default=True)
-    overrides: list[Override] = Field(default_factory=list, validate_default=True)  # the first matching pattern wins
-    non_matrix: Literal["average", "keep_base"] = "average"  # tensors the method does not take
-    scale_non_matrix: bool = False  # whether the method's `scale` also multiplies averaged tensors
-    merge_embeddings: bool = False  # embeddings / lm_head get the method instead of the non_matrix rule
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # output; auto = each tensor's base dtype
-    compute_dtype: Literal["float32", "float64"] = "float32"
-    device: str = "cpu"  # cpu, cuda, cuda:N, auto (cuda when available)
-    shard_size: int | str = "5GB"  # bytes, or "500MB" / "2GB" (10**9) / "1.5GiB" (2**30)
-    # model: a merged model folder; lora: a PEFT adapter (every expert a LoRA adapter), exact unless max_rank
-    output_format: Literal["model", "lora"] = "model"
-    max_rank: int | None = Field(default=None, ge=1)  # lora output: truncate each module to this rank (SVD)
+    base: str = Field(min_length=1, description="base model: Hugging Face folder or .safetensors file")
+    experts: list[str] = Field(
+        min_length=1,
+        description="fine-tuned experts of the same base: model folders/files or PEFT LoRA adapters",
+    )
+    expert_keys: Annotated[list[str] | None, Flag("--expert-key", metavar="NAME")] = Field(
+        default=None,
+        validate_default=True,
+        description="names of the experts for seeded methods (DARE), one per expert, in order (repeatable; "
+        "default: each expert path's folder/file name, made unique)",
+    )
+    method: Annotated[str, Flag("--method", "-m")] = Field(
+        default="swudi_a", description="merge method (see `specmerge methods`)"
+    )
+    params: Annotated[dict[str, Any], Flag("--param", "-p", "KEY=VALUE")] = Field(
+        default_factory=dict,
+        validate_default=True,
+        description="method parameter, read as in a YAML recipe (repeatable; default: the method's defaults)",
+    )
+    overrides: list[Override] = Field(
+        default_factory=list,
+        validate_default=True,
+        description="per-tensor treatment: pattern (fnmatch glob), action merge / average / keep_base, method, "
+        "params; the first matching pattern wins",
+    )
+    non_matrix: Literal["average", "keep_base"] = Field(
+        default="average", description="what the tensors the method does not take get"
+    )
+    scale_non_matrix: bool = Field(default=False, description="the method's `scale` also multiplies averaged tensors")
+    merge_embeddings: bool = Field(
+        default=False, description="embeddings and lm_head get the method instead of the non_matrix rule"
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        default="auto", description="output dtype; auto = each tensor's base dtype"
+    )
+    compute_dtype: Literal["float32", "float64"] = Field(
+        default="float32", description="dtype of the merge's arithmetic"
+    )
+    device: Device = Field(default="cpu", description="cpu, cuda, cuda:N or auto (cuda when available)")
+    shard_size: Annotated[int | str, Flag(metavar="SIZE")] = Field(
+        default="5GB",
+        description="largest output shard: bytes, or 500MB / 2GB (powers of 1000) / 1.5GiB (powers of 1024)",
+    )
+    output_format: Literal["model", "lora"] = Field(
+        default="model",
+        description="model: a merged model folder; lora: a PEFT adapter (every expert a LoRA adapter), exact "
+        "unless max_rank",
+    )
+    max_rank: Annotated[int | None, Flag(metavar="RANK")] = Field(
+        default=None,
+        ge=1,
+        description="lora output: truncate each module to this rank (SVD; the discarded energy is reported)",
+    )
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -249,13 +255,6 @@ class Recipe(BaseModel):
                 raise RecipeError(f"override '{override.pattern}': {err}", (i, "params")) from None
             completed.append(override.model_copy(update={"params": params}))
         return completed
-
-    @field_validator("device")
-    @classmethod
-    def _device(cls, device: str) -> str:
-        if not DEVICE_PATTERN.match(device):
-            raise RecipeError(f"device '{device}' is not one of cpu, cuda, cuda:N (N = 0, 1, ...), auto")
-        return device
 
     @field_validator("shard_size", mode="before")
     @classmethod

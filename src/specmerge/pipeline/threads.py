@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from specmerge.pipeline.recipe import RecipeError
+from specmerge.errors import RecipeError
 
 IO_CPUS = 1  # CPUs left to the reader, writer and fsync threads (and everything else on the machine)
 BUSY_WINDOW = 0.05  # seconds over which other processes' CPU use is sampled

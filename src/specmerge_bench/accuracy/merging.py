@@ -12,10 +12,10 @@ methods and merged by elementwise ones (TA, TIES, DARE). The per-tensor calls ar
 the benchmark measures the code users run. Two savings for sweeps, both exact:
 
 - the spectral methods of one layer share its normal equation and eigendecomposition
-  (:func:`specmerge.methods.spectral.shared_decompositions`), so a grid of SWUDI (r, t) settings, SWUDI-A rules,
+  (:func:`specmerge.linalg.solve.shared_decompositions`), so a grid of SWUDI (r, t) settings, SWUDI-A rules,
   D C^+ and the exponential filter costs one eigh per layer;
 - WUDI at several step counts is one run of the largest count with snapshots (:func:`wudi_snapshots`),
-  equal to separate runs of :func:`specmerge.methods.iterative.wudi` (test).
+  equal to separate runs of the registry's ``wudi`` (:mod:`specmerge.methods.wudi`; a test checks it).
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specmerge.io.sources import TensorInfo
-from specmerge.methods.iterative import descend, quadratic_gradient
-from specmerge.methods.registry import get_method
-from specmerge.methods.spectral import initial_point, normal_equation, shared_decompositions
+from specmerge.io.protocol import TensorInfo
+from specmerge.linalg.optimize import descend, quadratic_gradient
+from specmerge.linalg.quadratic import initial_point, normal_equation
+from specmerge.linalg.solve import shared_decompositions
+from specmerge.methods import get_method
 from specmerge.pipeline.plan import make_plan
 from specmerge.pipeline.recipe import Recipe
 

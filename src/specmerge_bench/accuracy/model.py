@@ -18,30 +18,16 @@ Protocol (one base encoder, the pinned all-MiniLM-L6-v2 ``BertModel`` without it
   weights toward zero, which would add the same task-independent ``-c·W_base`` component to every task vector.
 - **Scores.** Accuracy of ``argmax(head(features))`` per task (``evaluate``), on val (for choices) or test.
 
-Cache layout under ``cache_dir`` (``build_experts``); each ``<key>`` is the first 16 hex digits of a SHA-256
-over the stage's inputs (upstream key, input file hashes, settings, library versions and the source of the
-functions that compute it), so a rerun with the same inputs only reads files:
-
-- ``tokens/<key>/encoded.safetensors``: ``<task>/<split>/{input_ids,attention_mask,labels}``; ``tokens.json``.
-- ``probes/<key>/heads.safetensors``: ``<task>/{weight,bias}``; ``probes.json``: chosen L2, val accuracy per
-  L2, base val / test accuracy per task, times.
-- ``experts/<key>/seed<k>/<task>/``: ``model.safetensors`` (the full ``BertModel`` state dict, float32) and
-  ``config.json`` (a Hugging Face folder, like the base model's), ``scores.json`` (val / test accuracy on every
-  task, times); ``experts/<key>/summary-seeds-<k,...>.json``: what ``build_experts`` returns.
+The cached stages that use these functions (tokens, probes, experts) are in
+:mod:`specmerge_bench.accuracy.experts`; the source of the functions each stage depends on (``TOKENS_CODE``,
+``PROBES_CODE``, ``EXPERTS_CODE`` below) is hashed into that stage's cache key.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import hashlib
-import inspect
-import json
 import os
-import shutil
-import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +36,7 @@ import torch
 import transformers
 from torch import Tensor
 
-from specmerge_bench.accuracy import data
+from specmerge_bench.accuracy.base_model import load_base_model_path
 
 MAX_LENGTH = 32
 L2_GRID = (1.0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6)
@@ -110,11 +96,11 @@ def load_base(
 ) -> tuple[transformers.BertModel, transformers.PreTrainedTokenizerBase]:
     """The base encoder (``BertModel`` without pooler, float32, eval mode) and its tokenizer, from one folder.
 
-    ``model_dir`` defaults to the pinned MiniLM (``data.load_base_model_path``, hashes checked). Files are read
+    ``model_dir`` defaults to the pinned MiniLM (``load_base_model_path``, hashes checked). Files are read
     locally only; ``HF_HUB_OFFLINE=1`` is set for the rest of the process.
     """
     os.environ["HF_HUB_OFFLINE"] = "1"
-    folder = Path(model_dir) if model_dir is not None else data.load_base_model_path()
+    folder = Path(model_dir) if model_dir is not None else load_base_model_path()
     config = transformers.BertConfig.from_pretrained(folder, local_files_only=True)
     model = transformers.BertModel(config, add_pooling_layer=False)
     load_state(model, safetensors.torch.load_file(folder / "model.safetensors"))
@@ -354,327 +340,8 @@ def train_expert(
     return {name: tensor.detach().to(torch.float32).clone() for name, tensor in model.state_dict().items()}
 
 
-# ------------------------------------------------------------------------------------------- cached driver
-
-
-def _digest(inputs: object) -> str:
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
-
-
-def _code(*functions: Callable) -> str:
-    """SHA-256 of the source of the functions (and classes) a stage's output depends on."""
-    return _digest([inspect.getsource(function) for function in functions])
-
-
-def _model_files(folder: Path) -> dict[str, str]:
-    return {name: data.sha256_file(folder / name) for name in MODEL_FILES if (folder / name).is_file()}
-
-
-def _publish(staging: Path, final: Path) -> None:
-    """Move a finished staging folder into place (a concurrent identical build may have won: keep that one)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(staging, final)
-    except OSError:
-        shutil.rmtree(staging)
-
-
-def _staging(final: Path) -> Path:
-    staging = final.parent / f".{final.name}.{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    return staging
-
-
-def _took(cached: bool, seconds: float) -> str:
-    return "cached" if cached else f"{seconds:.1f} s"
-
-
-def _write_json(path: Path, value: object) -> None:
-    path.write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-def save_encoded(tasks_encoded: Mapping[str, Mapping[str, EncodedSplit]], path: Path) -> None:
-    """Write tokenized tasks as safetensors (``<task>/<split>/{input_ids,attention_mask,labels}``; task order in
-    the metadata)."""
-    tensors = {
-        f"{task}/{split}/{field}": getattr(encoded, field).contiguous()
-        for task, splits in tasks_encoded.items()
-        for split, encoded in splits.items()
-        for field in ("input_ids", "attention_mask", "labels")
-    }
-    safetensors.torch.save_file(tensors, path, metadata={"tasks": json.dumps(list(tasks_encoded))})
-
-
-def load_encoded(path: str | Path) -> dict[str, dict[str, EncodedSplit]]:
-    """Tokenized tasks written by ``save_encoded``: task -> split -> ``EncodedSplit``, tasks in the saved order."""
-    with safetensors.safe_open(str(path), framework="pt") as f:
-        tasks = json.loads(f.metadata()["tasks"])
-        grouped: dict[str, dict[str, dict[str, Tensor]]] = {task: {} for task in tasks}
-        for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-            task, split, field = name.split("/")
-            grouped[task].setdefault(split, {})[field] = f.get_tensor(name)
-    return {
-        task: {split: EncodedSplit(**fields) for split, fields in splits.items()} for task, splits in grouped.items()
-    }
-
-
-def save_heads(heads: Mapping[str, Head], path: Path) -> None:
-    """Write heads as safetensors (``<task>/weight``, ``<task>/bias``; L2 strengths in the metadata)."""
-    tensors = {
-        f"{task}/{field}": getattr(head, field).contiguous()
-        for task, head in heads.items()
-        for field in ("weight", "bias")
-    }
-    safetensors.torch.save_file(tensors, path, metadata={"l2": json.dumps({t: h.l2 for t, h in heads.items()})})
-
-
-def load_heads(path: str | Path) -> dict[str, Head]:
-    """Heads written by ``save_heads``: task -> ``Head``."""
-    with safetensors.safe_open(str(path), framework="pt") as f:
-        l2 = json.loads(f.metadata()["l2"])
-        return {task: Head(f.get_tensor(f"{task}/weight"), f.get_tensor(f"{task}/bias"), l2[task]) for task in l2}
-
-
-def _tokens_stage(
-    cache_dir: Path, manifest: Mapping, tokenizer_files: Mapping[str, str], tokenizer
-) -> tuple[Path, dict]:
-    inputs = {
-        "splits": {task: entry["splits"] for task, entry in manifest["tasks"].items()},
-        "tokenizer": tokenizer_files,
-        "max_length": MAX_LENGTH,
-        "transformers": transformers.__version__,
-        "code": _code(encode, EncodedSplit, save_encoded),
-    }
-    final = cache_dir / "tokens" / _digest(inputs)[:16]
-    if (final / "tokens.json").is_file():
-        return final, {**_read_json(final / "tokens.json"), "cached": True}
-    start = time.perf_counter()
-    tasks_encoded = {}
-    for task in manifest["tasks"]:
-        tasks_encoded[task] = {}
-        for split in data.SPLITS:
-            rows = data.read_split(cache_dir / manifest["tasks_dir"] / task / f"{split}.jsonl")
-            encoded = encode(tokenizer, [text for text, _ in rows])
-            labels = torch.tensor([label for _, label in rows], dtype=torch.long)
-            tasks_encoded[task][split] = EncodedSplit(encoded["input_ids"], encoded["attention_mask"], labels)
-    staging = _staging(final)
-    save_encoded(tasks_encoded, staging / "encoded.safetensors")
-    record = {"inputs": inputs, "seconds": time.perf_counter() - start}
-    _write_json(staging / "tokens.json", record)
-    _publish(staging, final)
-    return final, {**record, "cached": False}
-
-
-def _probes_stage(
-    cache_dir: Path, tokens_dir: Path, model_files: Mapping[str, str], base: transformers.BertModel, tasks_encoded
-) -> tuple[Path, dict]:
-    inputs = {
-        "tokens": tokens_dir.name,
-        "model": model_files,
-        "l2_grid": list(L2_GRID),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "code": _code(mean_pool, _forward_pooled, pooled_features, accuracy, fit_logistic, fit_probe),
-    }
-    final = cache_dir / "probes" / _digest(inputs)[:16]
-    if (final / "probes.json").is_file():
-        return final, {**_read_json(final / "probes.json"), "cached": True}
-    heads, tasks, feature_seconds, fit_seconds = {}, {}, 0.0, 0.0
-    for task, splits in tasks_encoded.items():
-        start = time.perf_counter()
-        train = pooled_features(base, splits["train"].inputs)
-        val = pooled_features(base, splits["val"].inputs)
-        fitted = time.perf_counter()
-        heads[task] = fit_probe(train, splits["train"].labels, val, splits["val"].labels)
-        feature_seconds += fitted - start
-        fit_seconds += time.perf_counter() - fitted
-        tasks[task] = {"l2": heads[task].l2, "train": accuracy(heads[task], train, splits["train"].labels)}
-    start = time.perf_counter()
-    base_scores = {split: evaluate(base, tasks_encoded, heads, split) for split in EVAL_SPLITS}
-    eval_seconds = time.perf_counter() - start
-    eval_sentences = sum(len(splits[split]) for splits in tasks_encoded.values() for split in EVAL_SPLITS)
-    for task in tasks:
-        tasks[task].update({split: base_scores[split][task] for split in EVAL_SPLITS})
-    record = {
-        "inputs": inputs,
-        "tasks": tasks,
-        "seconds": {"features": feature_seconds, "fit": fit_seconds, "base_eval": eval_seconds},
-        "eval_sentences_per_second": eval_sentences / eval_seconds,
-    }
-    staging = _staging(final)
-    save_heads(heads, staging / "heads.safetensors")
-    _write_json(staging / "probes.json", record)
-    _publish(staging, final)
-    return final, {**record, "cached": False}
-
-
-def _expert(
-    folder: Path,
-    base: transformers.BertModel,
-    scratch: transformers.BertModel,
-    tasks_encoded,
-    heads: Mapping[str, Head],
-    task: str,
-    seed: int,
-    hyper: Mapping,
-) -> dict:
-    if (folder / "scores.json").is_file():
-        return {**_read_json(folder / "scores.json"), "cached": True}
-    start = time.perf_counter()
-    state = train_expert(base, tasks_encoded[task]["train"], heads[task], seed, **hyper)
-    trained = time.perf_counter()
-    scores = {split: evaluate(state, tasks_encoded, heads, split, scratch=scratch) for split in EVAL_SPLITS}
-    record = {"seconds": {"train": trained - start, "eval": time.perf_counter() - trained}, **scores}
-    staging = _staging(folder)
-    safetensors.torch.save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
-    base.config.to_json_file(staging / "config.json")
-    _write_json(staging / "scores.json", record)
-    _publish(staging, folder)
-    return {**record, "cached": False}
-
-
-def build_experts(
-    cache_dir: str | Path,
-    seeds: Sequence[int] = (0,),
-    steps: int = 800,
-    lr: float = 1e-4,
-    batch_size: int = 32,
-    warmup: float = 0.1,
-    weight_decay: float = 0.0,
-    *,
-    model_dir: str | Path | None = None,
-    manifest: Mapping | None = None,
-    log: Callable[[str], None] | None = None,
-) -> dict:
-    """Build (or read from the cache) tokens, probe heads and one expert per (seed, task); return a summary.
-
-    ``manifest`` defaults to ``data.build_tasks(cache_dir)`` (its ``tasks_dir`` is relative to ``cache_dir``);
-    ``model_dir`` to the pinned base model. ``log`` receives one line per stage. The summary (also written to
-    ``experts/<key>/summary-seeds-<seeds>.json``) holds the cache ``paths`` (``tokens``: the encoded file,
-    ``heads``, ``experts``: seed -> task -> folder), ``probes`` (per task chosen L2 and base train / val / test
-    accuracy), ``experts`` (seed -> task -> val / test accuracy on every task and seconds), ``seconds`` per
-    stage as measured when it was built, ``cached`` flags, and ``eval_sentences_per_second``.
-    """
-    cache_dir = Path(cache_dir).resolve()
-    say = log or (lambda line: None)
-    manifest = manifest if manifest is not None else data.build_tasks(cache_dir)
-    base_dir = Path(model_dir) if model_dir is not None else data.load_base_model_path()
-    model_files = _model_files(base_dir)
-    base, tokenizer = load_base(base_dir)
-
-    tokenizer_files = {
-        name: sha for name, sha in model_files.items() if name not in ("config.json", "model.safetensors")
-    }
-    tokens_dir, tokens = _tokens_stage(cache_dir, manifest, tokenizer_files, tokenizer)
-    say(f"tokens {tokens_dir} ({_took(tokens['cached'], tokens['seconds'])})")
-    tasks_encoded = load_encoded(tokens_dir / "encoded.safetensors")
-
-    probes_dir, probes = _probes_stage(cache_dir, tokens_dir, model_files, base, tasks_encoded)
-    heads = load_heads(probes_dir / "heads.safetensors")
-    say(f"probes {probes_dir} ({_took(probes['cached'], sum(probes['seconds'].values()))})")
-
-    hyper = {
-        "steps": steps,
-        "lr": lr,
-        "batch_size": batch_size,
-        "warmup": warmup,
-        "weight_decay": weight_decay,
-        "autocast": True,
-    }
-    inputs = {
-        "probes": probes_dir.name,
-        "hyper": hyper,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "code": _code(_forward_pooled, mean_pool, encoder_linear_parameters, warmup_linear_decay, train_expert),
-    }
-    experts_dir = cache_dir / "experts" / _digest(inputs)[:16]
-    experts_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(experts_dir / "inputs.json", inputs)
-    scratch = copy.deepcopy(base)
-    experts, paths = {}, {}
-    for seed in seeds:
-        experts[seed], paths[seed] = {}, {}
-        for task in tasks_encoded:
-            folder = experts_dir / f"seed{seed}" / task
-            record = _expert(folder, base, scratch, tasks_encoded, heads, task, seed, hyper)
-            experts[seed][task], paths[seed][task] = record, str(folder)
-            gap = record["val"][task] - probes["tasks"][task]["val"]
-            timing = _took(record["cached"], record["seconds"]["train"])
-            say(f"expert seed {seed} {task}: val {record['val'][task]:.3f}, {gap:+.3f} over base ({timing})")
-
-    summary = {
-        "tasks": list(tasks_encoded),
-        "hyper": hyper,
-        "paths": {
-            "tokens": str(tokens_dir / "encoded.safetensors"),
-            "heads": str(probes_dir / "heads.safetensors"),
-            "experts": paths,
-        },
-        "probes": probes["tasks"],
-        "experts": experts,
-        "seconds": {"tokenize": tokens["seconds"], **probes["seconds"]},
-        "cached": {"tokens": tokens["cached"], "probes": probes["cached"]},
-        "eval_sentences_per_second": probes["eval_sentences_per_second"],
-    }
-    _write_json(experts_dir / f"summary-seeds-{','.join(map(str, seeds))}.json", summary)
-    return summary
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m specmerge_bench.accuracy.model --cache DIR [--seeds 0 1 2] [--steps 800] [--lr 1e-4]``:
-    build, print."""
-    parser = argparse.ArgumentParser(
-        prog="python -m specmerge_bench.accuracy.model", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument(
-        "--cache", required=True, type=Path, help="cache directory (as for specmerge_bench.accuracy.data)"
-    )
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds (default 0)")
-    parser.add_argument("--steps", type=int, default=800, help="optimizer steps per expert (default 800)")
-    parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
-    args = parser.parse_args(argv)
-    try:
-        summary = build_experts(
-            args.cache, args.seeds, steps=args.steps, lr=args.lr, log=lambda line: print(line, file=sys.stderr)
-        )
-    except (data.AccuracyDataError, OSError, ValueError) as err:
-        print(f"specmerge_bench.accuracy.model: error: {err}", file=sys.stderr)
-        return 2
-    seeds = args.seeds
-    header = f"{'task':<28} {'base':>6} " + " ".join(f"{f'seed{s}':>6}" for s in seeds) + f" {'expert':>6} {'gap':>6}"
-    print("test accuracy (expert: mean over seeds, on its own task)")
-    print(header)
-    rows = []
-    for task in summary["tasks"]:
-        base = summary["probes"][task]["test"]
-        per_seed = [summary["experts"][seed][task]["test"][task] for seed in seeds]
-        rows.append((base, *per_seed))
-        expert = sum(per_seed) / len(per_seed)
-        cells = " ".join(f"{value:>6.3f}" for value in per_seed)
-        print(f"{task:<28} {base:>6.3f} {cells} {expert:>6.3f} {expert - base:>+6.3f}")
-    columns = [sum(column) / len(column) for column in zip(*rows, strict=True)]
-    expert = sum(columns[1:]) / len(seeds)
-    cells = " ".join(f"{value:>6.3f}" for value in columns[1:])
-    print(f"{'average':<28} {columns[0]:>6.3f} {cells} {expert:>6.3f} {expert - columns[0]:>+6.3f}")
-    seconds = summary["seconds"]
-    train = [summary["experts"][seed][task]["seconds"]["train"] for seed in seeds for task in summary["tasks"]]
-    print(
-        f"tokenize {seconds['tokenize']:.1f} s, probe features {seconds['features']:.1f} s, probe fit "
-        f"{seconds['fit']:.1f} s, base scoring {seconds['base_eval']:.1f} s "
-        f"({summary['eval_sentences_per_second']:.0f} sentences/s), experts {sum(train):.0f} s "
-        f"({min(train):.0f}-{max(train):.0f} s each); times as measured when each stage was built"
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+# The functions (and classes) whose source each cached stage's key hashes, in the order hashed
+# (:mod:`specmerge_bench.accuracy.experts`): a change to one of them rebuilds that stage.
+TOKENS_CODE = (encode, EncodedSplit)
+PROBES_CODE = (mean_pool, _forward_pooled, pooled_features, accuracy, fit_logistic, fit_probe)
+EXPERTS_CODE = (_forward_pooled, mean_pool, encoder_linear_parameters, warmup_linear_decay, train_expert)

@@ -1,4 +1,4 @@
-"""PEFT LoRA adapters as per-tensor low-rank deltas of the base model (no densifying).
+"""The PEFT LoRA adapter format: reading adapters as per-tensor low-rank deltas, and writing merged ones.
 
 ``open_adapter(folder)`` reads ``adapter_config.json`` and ``adapter_model.safetensors`` (or
 ``adapter_model.bin``); ``adapter.deltas()`` names, for every adapted base weight, the factors of
@@ -37,12 +37,13 @@ import torch
 from safetensors.torch import save_file
 
 from specmerge.errors import SpecmergeWarning
-from specmerge.io.sources import SourceError, TensorInfo, folder_file, open_source
+from specmerge.io.files import folder_file
+from specmerge.io.formats import ADAPTER_CONFIG, ADAPTER_FILES, PEFT_PREFIX, lora_key
+from specmerge.io.protocol import SourceError, TensorInfo
+from specmerge.io.sources import open_source
 from specmerge.linalg.lowrank import AdapterFactors, LoraDelta
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
+_KEY = re.compile(rf"^(?:{re.escape(PEFT_PREFIX)})?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
 # peft.LoraConfig's defaults (peft 0.21, tuners/lora/config.py) for the keys that set the delta.
 PEFT_DEFAULTS = {"r": 8, "lora_alpha": 8, "use_rslora": False, "fan_in_fan_out": False}
 
@@ -282,7 +283,7 @@ class LoraAdapter:
         return LoraDelta(B, A, module.scale)
 
     def _key(self, module: str, which: str) -> str:
-        for name in (f"base_model.model.{module}.lora_{which}.weight", f"{module}.lora_{which}.weight"):
+        for name in (lora_key(module, which), lora_key(module, which, prefixed=False)):
             if name in self._source.infos():
                 return name
         raise AdapterError(f"{self.path}: lora_{which} of '{module}' not found")
@@ -310,49 +311,6 @@ class LoraAdapter:
         self._source.close()
 
     def __enter__(self) -> LoraAdapter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class AdapterExpert:
-    """A LoRA adapter as an expert of a base model: every base tensor, changed by B A on the adapted weights.
-
-    ``infos()`` lists the base's tensors (an adapter expert has them all: the ones it does not adapt are
-    the base's own, a zero delta); ``load_delta(name)`` is the low-rank delta of an adapted weight, or
-    None. Checks on construction that every adapted module is a base weight of the delta's shape.
-    """
-
-    def __init__(self, adapter: LoraAdapter, base_infos: Mapping[str, TensorInfo]) -> None:
-        adapter.check_base(dict(base_infos))
-        self.adapter = adapter
-        self.path = adapter.path
-        self._infos = dict(base_infos)
-        self._modules = adapter.modules()
-
-    def infos(self) -> dict[str, TensorInfo]:
-        return self._infos
-
-    def changes(self, name: str) -> bool:
-        """Whether the adapter changes base tensor ``name``."""
-        return name in self._modules
-
-    def load_delta(self, name: str, rows: tuple[int, int] | None = None) -> LoraDelta | None:
-        """The delta of ``name`` (rows ``start:stop`` of it when given), or None where the adapter changes nothing."""
-        if name not in self._modules:
-            return None
-        delta = self.adapter.load(name)
-        return delta if rows is None else delta.rows(*rows)
-
-    def files(self) -> list[Path]:
-        """The real paths of the files the adapter reads (see :meth:`LoraAdapter.files`)."""
-        return self.adapter.files()
-
-    def close(self) -> None:
-        self.adapter.close()
-
-    def __enter__(self) -> AdapterExpert:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -404,10 +362,10 @@ def write_adapter(folder: Path, factors: Mapping[str, AdapterFactors], config: M
     transposed = bool(config.get("fan_in_fan_out"))
     tensors: dict[str, torch.Tensor] = {}
     for name, f in factors.items():
-        prefix = f"base_model.model.{name.removesuffix('.weight')}"
+        module = name.removesuffix(".weight")
         lora_B, lora_A = (f.A.T, f.B.T) if transposed else (f.B, f.A)
-        tensors[f"{prefix}.lora_A.weight"] = lora_A.contiguous()
-        tensors[f"{prefix}.lora_B.weight"] = lora_B.contiguous()
+        tensors[lora_key(module, "A")] = lora_A.contiguous()
+        tensors[lora_key(module, "B")] = lora_B.contiguous()
     save_file(tensors, str(folder / ADAPTER_FILES[0]), metadata={"format": "pt"})
     (folder / ADAPTER_CONFIG).write_text(json.dumps(dict(config), indent=2) + "\n")
 

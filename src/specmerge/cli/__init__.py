@@ -1,0 +1,33 @@
+"""Command line: `specmerge merge`, `specmerge run RECIPE`, `specmerge inspect`, `specmerge methods`, `demo`.
+
+The options of ``merge`` and ``inspect`` are generated from the Recipe and InspectOptions models (flags,
+help, defaults, checks); a bad value is one line ``specmerge: error: ...`` and exit status 2.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from specmerge.cli.commands import build_parser, describe
+from specmerge.cli.running import Signalled, stop_on_signals
+
+__all__ = ["build_parser", "describe", "main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``specmerge`` with ``argv`` (default: the process's arguments); return the exit status."""
+    args = build_parser(__doc__).parse_args(argv)
+    try:
+        with stop_on_signals():
+            return args.run(args)
+    except KeyboardInterrupt:
+        print("specmerge: interrupted (Ctrl-C); no unfinished output is left behind", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except Signalled as stop:
+        name = signal.Signals(stop.signum).name
+        print(f"specmerge: stopped by {name}; no unfinished output is left behind", file=sys.stderr)
+        return 128 + stop.signum
+    except (ValueError, TypeError, OSError) as err:
+        print(f"specmerge: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,196 @@
+"""The subcommands and their parser; the recipe and inspect options come from the models (:mod:`.fields`).
+
+Only what is not a field of :class:`~specmerge.pipeline.recipe.Recipe` or
+:class:`~specmerge.diagnostics.options.InspectOptions` is declared here: the output folder, ``--overwrite``,
+``--quiet``, ``--no-fsync``, ``--threads`` and the arguments of ``methods`` and ``demo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+
+from specmerge.cli.fields import add_fields, field_values
+from specmerge.cli.running import plain_warnings
+from specmerge.diagnostics.options import InspectOptions
+from specmerge.methods import Method, all_methods, get_method
+from specmerge.pipeline.recipe import Recipe
+
+# Recipe fields the `merge` command does not offer, and why (a recipe file has them: `specmerge run`).
+NOT_ON_COMMAND_LINE = {"overrides": "a list of per-tensor rules (pattern, action, method, params): write a recipe"}
+PATHS = ("base", "experts")  # positional arguments of merge and inspect
+
+
+def capabilities(method: Method) -> list[str]:
+    """What the method declares about itself, in words (shown by ``specmerge methods``)."""
+    found = ["linear in the deltas (merged row block by row block)"] if method.linear else []
+    found.append("exact on LoRA cores" if method.factored else "densifies LoRA experts")
+    if method.seeded:
+        found.append("seeded (random per tensor and expert, reproducible)")
+    found.append("2-D weights only" if method.needs_matrix else "any tensor shape")
+    if method.variant_of:
+        found.append(f"variant of {method.variant_of}")
+    if not method.featured:
+        found.append("not featured (left out of the default lists of demo, speed and inspect)")
+    return found
+
+
+def describe(method: Method, width: int = 100) -> str:
+    """A method's title, summary, capabilities, citation and parameters (name, type, default, help) as plain text."""
+    lines = [method.name + (f"  ({method.title})" if method.title != method.name else "")]
+    lines += textwrap.wrap(method.summary, width, initial_indent="  ", subsequent_indent="  ")
+    lines += textwrap.wrap(", ".join(capabilities(method)), width, initial_indent="  ", subsequent_indent="    ")
+    if method.citation:
+        lines.append(f"  [{method.citation}]")
+    for p in method.params:
+        lines.append(f"    {p.name}: {p.type_name} = {p.default!r}")
+        lines += textwrap.wrap(p.help, width, initial_indent="        ", subsequent_indent="        ")
+    return "\n".join(lines)
+
+
+def methods_command(args: argparse.Namespace) -> int:
+    chosen = [get_method(args.name)] if args.name else list(all_methods().values())
+    print("\n\n".join(describe(m) for m in chosen))
+    return 0
+
+
+def schema_command(args: argparse.Namespace) -> int:
+    import json
+
+    from specmerge.pipeline.schema import recipe_schema
+
+    print(json.dumps(recipe_schema(), indent=1))
+    return 0
+
+
+def _output_options(args: argparse.Namespace) -> dict:
+    """The keyword arguments of a merge's output that ``merge`` and ``run`` share."""
+    return {
+        "overwrite": args.overwrite,
+        "progress": not args.quiet,
+        "fsync": not args.no_fsync,
+        "threads": _threads(args),
+    }
+
+
+@plain_warnings
+def merge_command(args: argparse.Namespace) -> int:
+    from specmerge.pipeline import api
+
+    paths = field_values(args, Recipe)  # every option given is the recipe's to validate, empty or zero included
+    base, experts = paths.pop("base"), paths.pop("experts")
+    report = api.merge(base, experts, args.output, **_output_options(args), **paths)
+    _print_summary(report, args.output)
+    return 0
+
+
+@plain_warnings
+def run_command(args: argparse.Namespace) -> int:
+    from specmerge.pipeline.api import run_recipe
+    from specmerge.pipeline.recipe import load_recipe
+
+    report = run_recipe(load_recipe(args.recipe), args.output, **_output_options(args))
+    _print_summary(report, args.output)
+    return 0
+
+
+@plain_warnings
+def inspect_command(args: argparse.Namespace) -> int:
+    from specmerge.diagnostics.run import inspect_model
+
+    paths = field_values(args, Recipe)
+    summary = inspect_model(
+        paths["base"],
+        paths["experts"],
+        args.output,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+        threads=_threads(args),
+        **field_values(args, InspectOptions),
+    )
+    print(f"inspected {summary['layers_inspected']} layers in {summary['seconds']:.1f} s -> {args.output}/report.md")
+    return 0
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    from specmerge.demo import main as demo_main
+
+    demo_main(seed=args.seed, workdir=args.workdir)
+    return 0
+
+
+def _print_summary(report: dict, output: str) -> None:
+    print(f"merged {len(report['tensors'])} tensors with {report['method']} in {report['seconds']:.1f} s -> {output}")
+    adapter = report.get("adapter")
+    if adapter:
+        print(
+            f"adapter: {adapter['modules']} modules, rank <= {adapter['max_rank']}, "
+            f"largest discarded energy {adapter['max_discarded_energy']:.2e}"
+        )
+
+
+def _threads(args: argparse.Namespace) -> int | None:
+    """``--threads`` checked (a whole number >= 1: one line otherwise) or None for the default."""
+    from specmerge.pipeline.threads import parse_threads
+
+    return parse_threads(args.threads)
+
+
+def _add_output_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an existing folder that specmerge wrote (or an empty one)"
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--threads",
+        metavar="N",
+        help="compute with N threads (default: the CPUs this process may use, less those other processes keep "
+        "busy, less one for reading and writing when two or more remain; OMP_NUM_THREADS if set)",
+    )
+
+
+def _add_model_output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", required=True, help="new model folder (must not exist unless --overwrite)")
+    _add_output_arguments(p)
+    p.add_argument(
+        "--no-fsync",
+        action="store_true",
+        help="do not flush the output to disk before renaming it into place (faster on slow disks, as other "
+        "tools do; a power cut or OS crash soon after may then leave an incomplete model folder)",
+    )
+
+
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """The ``specmerge`` parser: each subcommand's ``run`` is set as the ``run`` default of its arguments."""
+    parser = argparse.ArgumentParser(prog="specmerge", description=description)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("methods", help="list the merge methods, their capabilities and parameters")
+    p.add_argument("name", nargs="?", help="show only this method")
+    p.set_defaults(run=methods_command)
+
+    p = sub.add_parser("schema", help="print the JSON Schema of a recipe (every method and its parameters)")
+    p.set_defaults(run=schema_command)
+
+    p = sub.add_parser("merge", help="merge experts fine-tuned from BASE into a new model folder")
+    add_fields(p, Recipe, PATHS, positional=True)
+    _add_model_output(p)
+    add_fields(p, Recipe, [name for name in Recipe.model_fields if name not in (*PATHS, *NOT_ON_COMMAND_LINE)])
+    p.set_defaults(run=merge_command)
+
+    p = sub.add_parser("run", help="run a YAML recipe")
+    p.add_argument("recipe", help="recipe file (see README)")
+    _add_model_output(p)
+    p.set_defaults(run=run_command)
+
+    p = sub.add_parser("inspect", help="spectral diagnostics of experts of BASE: tables, plots, report.md")
+    add_fields(p, Recipe, PATHS, positional=True)
+    p.add_argument("-o", "--out", "--output", dest="output", required=True, help="new report folder")
+    _add_output_arguments(p)
+    add_fields(p, InspectOptions)
+    p.set_defaults(run=inspect_command)
+
+    p = sub.add_parser("demo", help="build a tiny model and 4 experts, merge them with several methods, print a table")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", help="keep the demo's models and merges in this folder (default: a temporary one)")
+    p.set_defaults(run=demo_command)
+    return parser

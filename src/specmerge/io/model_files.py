@@ -1,0 +1,139 @@
+"""A merged model's files besides its weights: the base's config, tokenizer and code, and the dtype in config.json.
+
+:func:`copy_model_files` copies the non-weight files a merged model needs (each checked by
+:func:`specmerge.io.files.folder_file`: nothing outside the base folder is copied), and
+:func:`write_output_config` makes ``config.json`` state the dtype the weights were written in.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from stat import S_ISREG
+
+import torch
+
+from specmerge.io.files import folder_file, read_json, write_json
+from specmerge.io.formats import CONFIG_FILE
+from specmerge.io.protocol import SourceError, TensorInfo
+
+# Files of a Hugging Face folder that are not weights and that a merged model needs (top level only).
+MODEL_FILE_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "*.tiktoken",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "image_processor*.json",
+    "video_preprocessor*.json",
+    "chat_template.json",
+    "chat_template.jinja",
+    "*.py",
+)
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json")
+
+
+def write_output_config(out_dir: str | os.PathLike, weights: Iterable[TensorInfo]) -> str | None:
+    """Make ``out_dir/config.json`` state the dtype the weights were written in; return it (None: nothing to do).
+
+    The dtype is that of most of the floating-point weights, by element count (of all of them when the output
+    was cast to one dtype). It goes in ``torch_dtype`` (read by every transformers version) and in ``dtype``
+    where the config has that newer key, so that ``from_pretrained(out, dtype="auto")`` loads the weights as
+    written. When all floating weights share the dtype, nested sub-model configs that state a dtype say it
+    too. The file is rewritten only if this changes it; a missing config, or one that is not a JSON object, is
+    left as it is.
+    """
+    counts: dict[torch.dtype, int] = {}
+    for info in weights:
+        if info.dtype.is_floating_point:
+            counts[info.dtype] = counts.get(info.dtype, 0) + math.prod(info.shape)
+    path = Path(out_dir) / CONFIG_FILE
+    config = read_json(path)
+    if not counts or not isinstance(config, dict):
+        return None
+    name = str(max(counts, key=counts.__getitem__)).removeprefix("torch.")
+    stated = _state_dtype(config, name, nested=len(counts) == 1)
+    stated["torch_dtype"] = name
+    if stated != config:
+        write_json(path, stated, indent=2)
+    return name
+
+
+def _state_dtype(config: dict, name: str, nested: bool) -> dict:
+    """A copy of ``config`` whose ``torch_dtype`` / ``dtype`` keys (and, if ``nested``, those of sub-configs) say
+    ``name``."""
+    stated = {}
+    for key, value in config.items():
+        if key in ("torch_dtype", "dtype") and (value is None or isinstance(value, str)):
+            value = name
+        elif nested and isinstance(value, dict):
+            value = _state_dtype(value, name, nested)
+        stated[key] = value
+    return stated
+
+
+def model_files(base_dir: str | os.PathLike) -> dict[str, Path]:
+    """The non-weight files of a Hugging Face folder that a merged model needs: name -> real path, by name.
+
+    Top-level files whose names match ``MODEL_FILE_PATTERNS`` (config, tokenizer, processor, remote code);
+    weights, indexes, README.md and subfolders are left out. Each is checked by
+    :func:`specmerge.io.files.folder_file`: a link that leads outside the folder (other than into its Hugging Face
+    cache ``blobs/``), a dangling link or anything but a regular file raises SourceError naming the link and its
+    target. A single-file base has none.
+    """
+    base_dir = Path(base_dir)
+    if not base_dir.is_dir():
+        return {}
+    try:
+        names = sorted(os.listdir(base_dir))
+    except OSError as err:
+        raise SourceError(f"{base_dir}: cannot list the folder ({err.strerror or err})") from None
+    files = {}
+    for name in names:
+        path = base_dir / name
+        if any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS):
+            continue
+        if not any(fnmatch.fnmatch(name, p) for p in MODEL_FILE_PATTERNS) or (path.is_dir() and not path.is_symlink()):
+            continue
+        files[name] = folder_file(path, base_dir)
+    return files
+
+
+def copy_model_files(base_dir: str | os.PathLike, out_dir: str | os.PathLike) -> list[str]:
+    """Copy :func:`model_files` of ``base_dir`` into ``out_dir`` as new files; return their names.
+
+    The copies are created with mode 0644 (less under the umask), whatever the source's mode: no execute,
+    setuid or group/other write bit is carried over. A file that has become anything but a regular file since
+    it was checked is refused.
+    """
+    out_dir = Path(out_dir)
+    files = model_files(base_dir)
+    for name, real in files.items():
+        _copy_regular_file(Path(base_dir) / name, real, out_dir / name)
+    return list(files)
+
+
+def _copy_regular_file(shown: Path, real: Path, target: Path) -> None:
+    try:
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as err:
+        raise SourceError(f"{shown}: cannot be read ({err.strerror or err})") from None
+    with open(fd, "rb") as source:
+        if not S_ISREG(os.fstat(fd).st_mode):
+            raise SourceError(f"{shown} is not a regular file; specmerge copies only files")
+        out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with open(out, "wb") as copy:
+            shutil.copyfileobj(source, copy, 2**20)

@@ -1,0 +1,67 @@
+"""What every checkpoint reader is: a :class:`TensorSource` that names its tensors and reads one at a time.
+
+Readers per format implement it (:mod:`specmerge.io.safetensors_format`, :mod:`specmerge.io.torch_format`;
+:func:`specmerge.io.sources.open_source` picks one for a path). A reader knows every tensor's name, shape
+and dtype (:class:`TensorInfo`) without reading tensor data, and reads one tensor, or a block of its rows,
+per ``load``, so peak memory stays about one tensor whatever the model size. Whatever goes wrong with a
+file is a :class:`SourceError`: one line naming the file or tensor and what to do.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from specmerge.errors import SpecmergeError
+
+
+class SourceError(SpecmergeError):
+    """A checkpoint cannot be opened or read; the message names the file or tensor and what to do."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Name, shape and dtype of one stored tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@runtime_checkable
+class TensorSource(Protocol):
+    """A checkpoint read one tensor at a time."""
+
+    path: Path
+
+    def infos(self) -> dict[str, TensorInfo]:
+        """All tensors, in checkpoint order, known without reading tensor data."""
+        ...
+
+    def load(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """One tensor, on CPU, in its stored dtype; ``rows=(start, stop)`` reads only those rows (dim 0)."""
+        ...
+
+    def describe(self) -> str:
+        """A short human-readable description (kind and location)."""
+        ...
+
+    def close(self) -> None:
+        """Release file handles."""
+        ...
+
+    def files(self) -> list[Path]:
+        """The real paths (links resolved) of every file the source reads: its index, if any, and its weights."""
+        ...

@@ -1,0 +1,169 @@
+"""The spectrum of C in the normal equation tau C = D, as a merge uses it (paper Sec. 4.1).
+
+:func:`decompose` gives the eigenpairs of C through the cheaper and more accurate of eigh(C) and the SVD
+of M (C = M^T M), with the eigenvalues it does not resolve marked (:func:`resolution_floor`); the rank
+rules read the resolved ones (:func:`choose_rank`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from specmerge.linalg import rank_rules
+from specmerge.linalg.quadratic import NormalEquation
+
+RankRule = Literal["psqrt", "gavish_donoho", "participation"]
+
+
+@dataclass(frozen=True)
+class Spectrum:
+    """Eigendecomposition of C = M^T M.
+
+    ``eigenvalues`` holds the min(n_rows, n_cols) squared singular values of M in descending order, those
+    the decomposition does not resolve (at or below ``floor``, see :func:`resolution_floor`) set to exactly
+    zero. It is the one view of the spectrum: the rank rules, the numerical ``rank`` and the diagnostics
+    read it, so float32 and float64 choose the same K (a cut at the usual n_cols eps lambda_1 dropped 270
+    real eigenvalues of a 768 x 3072 layer in float32 and moved the psqrt rank from 606 to 588:
+    BENCHMARKS.md, issue 6).
+
+    ``vectors`` holds eigenvectors (columns, same order): the N d_out of the row space of M from the SVD route,
+    all d_in from eigh(C); ``eigenvectors`` are the ``rank`` resolved ones. ``computed`` holds the eigenvalue
+    of every column as computed (clipped at 0, C being positive semi-definite; None means ``eigenvalues``):
+    :func:`~specmerge.linalg.solve.inverse_gains` still inverts an unresolved direction when the filter's gain
+    does not depend on where in [0, floor] its eigenvalue really lies (SWUDI's h / lambda <= t), at its
+    computed eigenvalue. ``accurate``: from the SVD of M (small eigenvalues accurate to eps sigma_1 sigma_k)
+    rather than from eigh(C) (to eps lambda_1).
+    """
+
+    eigenvalues: torch.Tensor
+    vectors: torch.Tensor
+    n_rows: int
+    n_cols: int
+    floor: float = 0.0
+    computed: torch.Tensor | None = None
+    accurate: bool = False
+
+    @functools.cached_property
+    def rank(self) -> int:
+        """The number of resolved (non-zero) eigenvalues: the numerical rank of C."""
+        return int((self.eigenvalues > 0).sum())
+
+    @property
+    def eigenvectors(self) -> torch.Tensor:
+        """The eigenvectors of the ``rank`` resolved eigenvalues (n_cols x rank)."""
+        return self.vectors[:, : self.rank]
+
+    @property
+    def computed_eigenvalues(self) -> torch.Tensor:
+        return self.eigenvalues if self.computed is None else self.computed
+
+
+def decompose(eq: NormalEquation, full_shape: tuple[int, int] | None = None, *, accurate: bool = False) -> Spectrum:
+    """Symmetric eigendecomposition of C, through the smaller of C (d_in^2) and the row space of M ((N d_out)^2).
+
+    N d_out >= d_in: eigh(C), eigenvalues accurate to about eps lambda_1. N d_out < d_in, or ``accurate``:
+    the SVD of M through a Householder QR (:func:`_singular_pairs`), so that the non-zero eigenpairs of C are
+    (sigma^2, right singular vectors): orthonormal to working precision, small eigenvalues accurate to
+    eps sigma_1 sigma_k. On wide layers that is one N d_out-sized SVD instead of a d_in-sized eigh: CPU time
+    0.37x of eigh(C) at N d_out = d_in / 2, 0.6x at 5/8, 1.1-1.25x at 3/4 (kept there too: eigh(C) leaves the
+    bottom of a spiked spectrum unresolved, and psqrt's sum then differs from float64's). The route it
+    replaces, eigenvectors M^T u / sigma from those of M M^T, lost orthogonality as
+    eps lambda_1 / (sigma_j sigma_k): 1e-2 in float32 with few experts. On tall layers the SVD costs about
+    twice eigh(C) and forms M: :func:`specmerge.linalg.solve.spectral_merge` asks for it only for filters
+    that must invert eigenvalues eigh(C) does not resolve.
+
+    ``full_shape`` = (d_out, d_in) of the real layer when ``eq`` holds small cores T_i with tau_i = P T_i R^T
+    (P, R orthonormal, e.g. LoRA experts): C then has the same non-zero eigenvalues, padded here with the
+    zeros the real min(N d_out, d_in) spectrum has, and d_in, N d_out are the real ones for rank rules and
+    the resolution floor.
+    """
+    n_rows, n_cols = eq.n_experts * eq.d_out, eq.d_in
+    if full_shape is not None:
+        return _embed(decompose(eq, accurate=accurate), eq.n_experts * full_shape[0], full_shape[1])
+    if accurate or n_rows < n_cols:
+        sigma, Q = _singular_pairs(eq.M)
+        return _spectrum(sigma * sigma, Q, n_rows, n_cols, accurate=True)
+    lam, Q = torch.linalg.eigh(eq.C)
+    return _spectrum(lam.flip(0), Q.flip(1), n_rows, n_cols, accurate=False)
+
+
+def _singular_pairs(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Singular values of M (descending) and its right singular vectors for them, via Householder QR.
+
+    Wide M: M^T = Q_0 R, R = U S V^T, so M = V S (Q_0 U)^T. Tall M: M = Q_0 R, R = U S V^T, so M = (Q_0 U) S V^T.
+    """
+    if M.shape[0] < M.shape[1]:
+        basis, R = torch.linalg.qr(M.T)
+        U, S, _ = torch.linalg.svd(R)
+        return S, basis @ U
+    R = torch.linalg.qr(M, mode="r")[1]
+    _, S, Vh = torch.linalg.svd(R)
+    return S, Vh.T
+
+
+def resolution_floor(eigenvalues: torch.Tensor, n_cols: int, accurate: bool) -> float:
+    """The eigenvalue at or below which a decomposition does not resolve C's eigenvalues.
+
+    Both are sqrt(n_cols) eps times the norm of the matrix decomposed, a few times the error each makes:
+    eigh of C (or of R R^T) is backward stable in ||C||_2 = lambda_1, so sqrt(n_cols) eps lambda_1; the SVD
+    of M in ||M||_F = sqrt(trace C), so sigma_k below sqrt(n_cols) eps ||M||_F, i.e. lambda_k below
+    n_cols eps^2 sum(lambda). ``eigenvalues`` are the computed ones, descending, clipped at 0.
+    """
+    if eigenvalues.numel() == 0:
+        return 0.0
+    eps = torch.finfo(eigenvalues.dtype).eps
+    if accurate:
+        return n_cols * eps * eps * float(eigenvalues.sum())
+    return math.sqrt(n_cols) * eps * float(eigenvalues[0])
+
+
+def _spectrum(computed: torch.Tensor, vectors: torch.Tensor, n_rows: int, n_cols: int, accurate: bool) -> Spectrum:
+    """The Spectrum of descending computed eigenvalues (one per column of ``vectors``, or fewer).
+
+    ``eigenvalues`` are the first min(n_rows, n_cols), zero-padded to that many, with the unresolved ones
+    zeroed; ``computed`` keeps them all, clipped at 0. When eigh(C) gives more (N d_out < d_in), the rest
+    belong to C's null space in exact arithmetic, but in working precision the bottom of a spectrum that
+    reaches the round-off mixes with them: the solve keeps them, like the paper's algorithm, and
+    :func:`~specmerge.linalg.solve.filtered_solve` skips those whose right-hand side is round-off.
+    """
+    m = min(n_rows, n_cols)
+    computed = computed.clamp(min=0)
+    if computed.numel() < m:
+        computed = torch.cat([computed, computed.new_zeros(m - computed.numel())])
+    floor = resolution_floor(computed, n_cols, accurate)
+    head = computed[:m]
+    resolved = torch.where(head > floor, head, torch.zeros_like(head))
+    return Spectrum(resolved, vectors, n_rows, n_cols, floor, computed, accurate)
+
+
+def _embed(core: Spectrum, n_rows: int, n_cols: int) -> Spectrum:
+    """The spectrum of the real layer from that of its core: zeros appended, the floor of the real d_in."""
+    return _spectrum(core.computed_eigenvalues, core.vectors, n_rows, n_cols, core.accurate)
+
+
+def directions(spectrum: Spectrum) -> tuple[torch.Tensor, torch.Tensor]:
+    """The computed eigenvalue of each column of ``spectrum.vectors``, and whether it is resolved."""
+    lam = spectrum.computed_eigenvalues[: spectrum.vectors.shape[1]]
+    if spectrum.computed is None:  # a Spectrum built by hand: its eigenvalues are the resolved view
+        return lam, lam > 0
+    return lam, lam > spectrum.floor
+
+
+def choose_rank(rule: RankRule, spectrum: Spectrum) -> int:
+    """K from a named rank rule applied to the spectrum of C."""
+    lam = spectrum.eigenvalues
+    if rule == "psqrt":
+        return rank_rules.psqrt_rank(lam)
+    if rule == "gavish_donoho":
+        # the noise level is the median of the values as computed: zeroing the unresolved ones would drag it
+        # to 0 where the bottom of a noise bulk lies below the floor; only resolved values count as above it
+        noise = spectrum.computed_eigenvalues[: lam.numel()]
+        return rank_rules.gavish_donoho_rank(lam, spectrum.n_rows, spectrum.n_cols, median_of=noise)
+    if rule == "participation":
+        return rank_rules.participation_rank(lam)
+    raise ValueError(f"unknown rank rule {rule!r}: use psqrt, gavish_donoho or participation")

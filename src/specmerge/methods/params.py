@@ -1,0 +1,106 @@
+"""A method's parameters read from its function: keyword-only arguments, bound types, docstring help.
+
+The types and bounds of a parameter are its annotation (e.g. :data:`UnitInterval`); its default is the
+signature's; its help text is its entry in the ``Args:`` section of the docstring. Keyword arguments that
+the caller supplies (:data:`CONTEXT_KEYWORDS`) are not parameters.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+# Parameter types with bounds, checked when a recipe or CLI call is validated, before any tensor is read.
+UnitInterval = Annotated[float, Field(ge=0, le=1)]
+NonNegative = Annotated[float, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0)]
+Count = Annotated[int, Field(ge=0)]
+NonNegativeOrInf = Annotated[float, Field(ge=0, allow_inf_nan=True)]  # +inf means "no limit"; NaN is refused
+
+SEED_KEYWORDS = frozenset({"tensor_name", "expert_keys"})  # context a seeded method receives
+CONTEXT_KEYWORDS = SEED_KEYWORDS | {"full_shape"}  # keyword arguments the caller supplies, never the user
+
+
+@dataclass(frozen=True)
+class Param:
+    """One user-facing parameter of a method."""
+
+    name: str
+    annotation: Any
+    default: Any
+    help: str
+
+    @property
+    def type_name(self) -> str:
+        return _type_name(self.annotation)
+
+
+def signature_params(
+    name: str, fn: Callable, fixed: dict[str, Any], defaults: dict[str, Any], helps: Mapping[str, str]
+) -> tuple[tuple[Param, ...], frozenset[str]]:
+    """The user-facing parameters of ``fn`` (keyword-only, less context keywords and ``fixed``) and its context."""
+    hints = typing.get_type_hints(fn, include_extras=True)
+    signature = inspect.signature(fn).parameters
+    keyword_only = {p.name for p in signature.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    for key in [*fixed, *defaults]:
+        if key not in keyword_only or key in CONTEXT_KEYWORDS:
+            raise TypeError(f"method '{name}': '{key}' is not a keyword-only parameter of {fn.__name__}")
+    params = []
+    for p in signature.values():
+        if p.name not in keyword_only or p.name in CONTEXT_KEYWORDS or p.name in fixed:
+            continue
+        default = defaults.get(p.name, p.default)
+        if default is inspect.Parameter.empty:
+            raise TypeError(f"method '{name}': parameter '{p.name}' needs a default")
+        if p.name not in helps:
+            raise TypeError(f"method '{name}': parameter '{p.name}' has no help text in the docstring")
+        params.append(Param(p.name, hints[p.name], default, helps[p.name]))
+    return tuple(params), frozenset(CONTEXT_KEYWORDS & signature.keys())
+
+
+def parse_docstring(fn: Callable) -> tuple[str, dict[str, str]]:
+    doc = inspect.getdoc(fn) or ""
+    summary = doc.split("\n\n")[0].replace("\n", " ").strip()
+    helps: dict[str, str] = {}
+    match = re.search(r"^Args:\n((?:[ \t]+.*\n?|\n)+)", doc, flags=re.MULTILINE)
+    if match:
+        current = None
+        for line in match.group(1).splitlines():
+            entry = re.match(r"^\s{4}(\w+)(?: \([^)]*\))?:\s*(.*)$", line)
+            if entry:
+                current = entry.group(1)
+                helps[current] = entry.group(2).strip()
+            elif current and line.strip():
+                helps[current] += " " + line.strip()
+    return summary, helps
+
+
+def _type_name(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        inner, *extras = typing.get_args(annotation)
+        bounds = [_bound_text(m) for extra in extras for m in getattr(extra, "metadata", [extra])]
+        return " ".join([_type_name(inner), *filter(None, bounds)])
+    if origin is Literal:
+        return "{" + ",".join(str(a) for a in typing.get_args(annotation)) + "}"
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return "None"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _bound_text(constraint: Any) -> str:
+    for attr, symbol in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+        if hasattr(constraint, attr):
+            return f"{symbol}{getattr(constraint, attr)}"
+    if getattr(constraint, "allow_inf_nan", False):
+        return "or inf"
+    return ""

@@ -1,0 +1,235 @@
+"""Sparsifying merges: TIES, DARE (+ task arithmetic or + TIES) and Model Breadcrumbs.
+
+Each drops entries of every task vector (by magnitude or at random) before combining them; all are
+elementwise (any tensor shape). The building blocks (TIES sign election and disjoint mean, the DARE
+mask) are small public functions so they can be tested and reused on their own; the top-k selection
+is :mod:`specmerge.linalg.topk`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Annotated, Literal
+
+import torch
+from pydantic import Field
+
+from specmerge.linalg.topk import KEEP_ALL, fraction_count, keep_mask, top_k_count, top_k_rule
+from specmerge.methods.registry import LayerResult, Setting, register, register_variant
+
+Density = Annotated[float, Field(gt=0, le=1)]
+DropRate = Annotated[float, Field(ge=0, lt=1)]
+
+TIES_CITATION = "Yadav et al., TIES-Merging: Resolving Interference When Merging Models, NeurIPS 2023"
+DARE_CITATION = "Yu et al., Language Models are Super Mario (DARE), ICML 2024"
+BREADCRUMBS_CITATION = (
+    "Davari & Belilovsky, Model Breadcrumbs: Scaling Multi-Task Model Merging with Sparse Masks, ECCV 2024"
+)
+
+TIES_CHUNK = 2**16  # entries per expert per chunk: the N x chunk working set of a TIES merge stays in cache
+
+
+# ---------------------------------------------------------------------------------------------
+# TIES
+
+
+def elect_sign(task_vectors: torch.Tensor) -> torch.Tensor:
+    """The elected sign per entry: sign of the sum over experts (0 where the sum is exactly 0)."""
+    return torch.sign(task_vectors.sum(dim=0))
+
+
+def disjoint_mean(task_vectors: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    """Per entry, the mean over the experts whose entry is non-zero with the elected sign; 0 where none."""
+    total = torch.zeros_like(sign)
+    count = torch.zeros_like(sign)
+    zero = sign.new_zeros(())
+    for tau_i in task_vectors:  # one expert at a time: no N x tensor temporaries
+        agree = (tau_i * sign) > 0  # the same non-zero sign (sign is -1, 0 or +1)
+        total.add_(torch.where(agree, tau_i, zero))
+        count.add_(agree)
+    return total.div_(count.clamp_(min=1))
+
+
+@register(
+    "ties", citation=TIES_CITATION, title="TIES", needs_matrix=False, settings=[Setting("ties", "TIES (top 20 %)")]
+)
+def ties(task_vectors: torch.Tensor, *, density: Density = 0.2, scale: float = 1.0) -> LayerResult:
+    """TIES-Merging: trim each task vector to its largest entries, elect a sign per entry, average the agreeing.
+
+    The trim is per expert and per tensor (the public code also offers a whole-model trim; per tensor
+    is what streaming allows); of equal magnitudes at the threshold, those first in storage order are
+    kept, so the trim is the same on every machine. The merge is the disjoint mean, not the sum. Where
+    the trimmed values sum to exactly zero no sign is elected and the entry stays at W_0 (the original
+    code breaks such ties with the model-wide majority sign, mergekit with +).
+
+    Args:
+        density: fraction of entries kept per expert and tensor, k = ceil(density * numel), in (0, 1].
+        scale: lambda in merged = W_0 + lambda * disjoint_mean (1.0 as in Yadav et al.).
+    """
+    flat = task_vectors.reshape(task_vectors.shape[0], -1)
+    k = top_k_count(density, flat.shape[1])
+    rules = [top_k_rule(tau_i, k) if k < flat.shape[1] else KEEP_ALL for tau_i in flat]
+    merged = torch.empty(flat.shape[1], dtype=flat.dtype, device=flat.device)
+    chunk = max(1, TIES_CHUNK if flat.device.type == "cpu" else flat.shape[1])  # GPUs: one chunk, no syncs
+    trimmed = torch.empty((flat.shape[0], min(chunk, flat.shape[1])), dtype=flat.dtype, device=flat.device)
+    zero, ties_at_zero = flat.new_zeros(()), torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.shape[1], chunk):  # the trim, the election and the mean, chunk by chunk
+        stop = min(start + chunk, flat.shape[1])
+        block = trimmed[:, : stop - start]
+        for i, rule in enumerate(rules):
+            tau = flat[i, start:stop]
+            torch.where(keep_mask(tau, rule, start), tau, zero, out=block[i])
+        sign = elect_sign(block)
+        ties_at_zero += torch.count_nonzero(sign == 0)
+        merged[start:stop] = disjoint_mean(block, sign)
+    diagnostics = {"n_experts": task_vectors.shape[0]}
+    if merged.numel():
+        diagnostics["sign_tie_fraction"] = int(ties_at_zero) / merged.numel()
+    return LayerResult(merged.mul_(scale).reshape(task_vectors.shape[1:]), diagnostics)
+
+
+# ---------------------------------------------------------------------------------------------
+# DARE
+
+
+def dare_seed(seed: int, tensor_name: str, expert_key: str) -> int:
+    """A 64-bit generator seed that depends on (seed, tensor name, expert key) only."""
+    digest = hashlib.blake2b(f"{seed}\0{tensor_name}\0{expert_key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def dare_mask(
+    shape: Sequence[int] | torch.Size,
+    drop_rate: float,
+    seed: int,
+    tensor_name: str,
+    expert_key: str,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Boolean keep-mask, each entry kept with probability 1 - drop_rate (in [0, 1)).
+
+    The mask is a function of (shape, drop_rate, seed, tensor_name, expert_key) only: it is drawn on
+    the CPU from its own generator, so it is the same on every device, in every processing order,
+    and it leaves the global random state untouched.
+    """
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(dare_seed(seed, tensor_name, expert_key))
+    keep = torch.rand(tuple(shape), generator=generator, dtype=torch.float32) >= drop_rate
+    return keep if device is None else keep.to(device)
+
+
+def dare(
+    task_vectors: torch.Tensor,
+    drop_rate: float,
+    seed: int,
+    tensor_name: str,
+    expert_keys: Sequence[str] | None = None,
+) -> torch.Tensor:
+    """Drop each entry of each tau_i with probability drop_rate in [0, 1), rescale the kept ones by 1 / (1 - drop_rate).
+
+    ``expert_keys`` names the experts in stack order (default ``"0", "1", ...``); the mask of an
+    expert depends on its key, not on its position in the stack.
+    """
+    n = task_vectors.shape[0]
+    keys = [str(i) for i in range(n)] if expert_keys is None else list(expert_keys)
+    if len(keys) != n:
+        raise ValueError(
+            f"tensor '{tensor_name or '?'}': got {len(keys)} expert keys for a stack of {n} experts; "
+            "pass one key per expert, in stack order"
+        )
+    if drop_rate == 0:
+        return task_vectors.clone()
+    rescale = 1.0 / (1.0 - drop_rate)
+    out = torch.zeros_like(task_vectors)
+    for i, key in enumerate(keys):
+        keep = dare_mask(task_vectors.shape[1:], drop_rate, seed, tensor_name, key, task_vectors.device)
+        out[i] = torch.where(keep, task_vectors[i] * rescale, out[i])
+    return out
+
+
+@register(
+    "dare_task_arithmetic",
+    citation=DARE_CITATION,
+    title="DARE-TA",
+    needs_matrix=False,
+    seeded=True,
+    fixed={"combine": "sum"},
+    settings=[Setting("dare_task_arithmetic", "DARE-TA (p = 0.5)")],
+)
+def dare_task_arithmetic(
+    task_vectors: torch.Tensor,
+    *,
+    combine: Literal["sum", "disjoint_mean"],
+    drop_rate: DropRate = 0.5,
+    seed: int = 0,
+    scale: float = 0.3,
+    tensor_name: str = "",
+    expert_keys: Sequence[str] | None = None,
+) -> LayerResult:
+    """DARE + task arithmetic: randomly drop and rescale each task vector, then sum.
+
+    ``combine`` is the declared difference of the variant DARE-TIES: ``disjoint_mean`` elects signs and
+    takes TIES's disjoint mean of the dropped task vectors instead of their sum (the random drop replaces
+    the TIES magnitude trim, as in mergekit's dare_ties). The random mask is a function of (seed, tensor
+    name, expert key), so a merge is reproducible whatever the order in which tensors are processed.
+
+    Args:
+        drop_rate: probability p of dropping an entry, in [0, 1); kept entries are divided by 1 - p.
+        seed: seed of the random masks; the same seed gives the same merge.
+        scale: lambda in merged = W_0 + lambda * sum_i DARE(tau_i) (DARE-TIES: lambda * disjoint_mean).
+    """
+    dropped = dare(task_vectors, drop_rate, seed, tensor_name, expert_keys)
+    diagnostics = {"n_experts": task_vectors.shape[0], "drop_rate": drop_rate}
+    if combine == "sum":
+        return LayerResult(scale * dropped.sum(dim=0), diagnostics)
+    sign = elect_sign(dropped)
+    merged = disjoint_mean(dropped, sign)
+    if sign.numel():
+        diagnostics["sign_tie_fraction"] = float((sign == 0).double().mean())
+    return LayerResult(scale * merged, diagnostics)
+
+
+dare_ties = register_variant(
+    "dare_ties",
+    dare_task_arithmetic,
+    title="DARE-TIES",
+    summary="DARE + TIES: randomly drop and rescale each task vector, then elect signs and take the disjoint mean.",
+    fixed={"combine": "disjoint_mean"},
+    defaults={"scale": 1.0},
+    settings=[Setting("dare_ties", "DARE-TIES (p = 0.5)")],
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model Breadcrumbs
+
+
+@register("breadcrumbs", citation=BREADCRUMBS_CITATION, title="Model Breadcrumbs", needs_matrix=False)
+def breadcrumbs(
+    task_vectors: torch.Tensor, *, density: Density = 0.9, beta: DropRate = 0.01, scale: float = 0.3
+) -> LayerResult:
+    """Model Breadcrumbs: keep a band of each task vector's magnitudes (no outliers, no small entries), then sum.
+
+    Per expert and tensor, the m = floor(beta * numel) entries of largest |tau_i| are dropped, the
+    next k = ceil(density * numel) are kept (at most numel - m), and the smallest rest is dropped; the
+    masked task vectors are summed and scaled, as in task arithmetic. Of equal magnitudes at either
+    edge of the band, those first in storage order rank higher, so the band is the same on every machine.
+
+    Args:
+        density: fraction of entries kept per expert and tensor, k = ceil(density * numel), in (0, 1].
+        beta: fraction of largest-magnitude entries dropped first, m = floor(beta * numel), in [0, 1).
+        scale: lambda in merged = W_0 + lambda * sum_i band(tau_i) (0.3 as for task arithmetic).
+    """
+    flat = task_vectors.reshape(task_vectors.shape[0], -1)
+    numel = flat.shape[1]
+    top = fraction_count(beta, numel, round_up=False)
+    kept = min(top_k_count(density, numel), numel - top)
+    band = torch.empty(flat.shape, dtype=torch.bool, device=flat.device)
+    for i, tau_i in enumerate(flat):
+        band[i] = keep_mask(tau_i, KEEP_ALL if top + kept == numel else top_k_rule(tau_i, top + kept))
+        if top:
+            band[i] &= ~keep_mask(tau_i, top_k_rule(tau_i, top))
+    masked = torch.where(band, flat, flat.new_zeros(())).reshape(task_vectors.shape)
+    diagnostics = {"n_experts": task_vectors.shape[0], "kept_per_expert": kept, "dropped_largest": top}
+    return LayerResult(scale * masked.sum(dim=0), diagnostics)

@@ -1,0 +1,90 @@
+"""A merge's inputs: the base and the experts opened, and refused where they overlap each other or the output.
+
+:func:`open_inputs` opens the base (:func:`~specmerge.io.sources.open_source`) and every expert
+(:func:`~specmerge.io.experts.open_expert`: a checkpoint or a PEFT adapter), then refuses an expert that is
+the base or another expert (:func:`refuse_duplicate_inputs`) and an output that is, holds or lies inside an
+input (:func:`refuse_output_inside_inputs`), comparing the files really read, links resolved.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from specmerge.errors import RecipeError
+from specmerge.io.experts import Expert, open_expert
+from specmerge.io.output import OutputError
+from specmerge.io.protocol import TensorSource
+from specmerge.io.sources import open_source
+
+
+def open_inputs(
+    stack: ExitStack, base: str, experts: Sequence[str], output: str | os.PathLike
+) -> tuple[TensorSource, list[Expert]]:
+    """Open ``base`` and ``experts`` (closed when ``stack`` closes), checked against each other and ``output``."""
+    base_source = stack.enter_context(open_source(base))
+    opened = [stack.enter_context(open_expert(path, base_source.infos())) for path in experts]
+    refuse_duplicate_inputs([base, *experts], [base_source, *opened])
+    refuse_output_inside_inputs(Path(output), [base, *experts], [base_source, *opened])
+    return base_source, opened
+
+
+def refuse_output_inside_inputs(output: Path, inputs: Sequence[str], sources: Sequence[Any] = ()) -> None:
+    """Refuse an output that is, holds or lies inside an input, so that replacing it can never delete an input.
+
+    Compares the real paths (links resolved) of the output and of the typed ``inputs`` and, given the opened
+    ``sources`` (one per input, in order), of every file they read: a file reached through a link counts
+    where it really lies.
+    """
+    target = Path(os.path.realpath(output))  # never raises, even for a symbolic link loop
+    for path in inputs:
+        source = Path(os.path.realpath(path))
+        if target == source or source in target.parents or target in source.parents:
+            raise OutputError(f"output '{output}' overlaps the input '{path}': choose a separate output folder")
+    for path, source in zip(inputs, sources, strict=False):
+        for file in source.files():
+            if file == target or target in file.parents:
+                raise OutputError(
+                    f"output '{output}' holds {file}, which the input '{path}' reads (through a link): "
+                    "choose a separate output folder"
+                )
+
+
+def refuse_duplicate_inputs(inputs: Sequence[str], sources: Sequence[Any]) -> None:
+    """Refuse an expert that reads the same files as the base or as another expert.
+
+    ``inputs`` are the base and then the experts, ``sources`` the opened ones in the same order. Files are
+    compared as the files really read (device and inode), so a link, a hard link, or a folder given once as
+    a folder and once as its own weights file are all found.
+    """
+    seen: dict[frozenset, int] = {}
+    for i, source in enumerate(sources):
+        files = source.files()
+        key = frozenset(file_identity(f) for f in files)
+        first = seen.setdefault(key, i)
+        if first == i:
+            continue
+        shown = f"{files[-1]}" + (f" and {len(files) - 1} more" if len(files) > 1 else "")
+        if first == 0:
+            raise RecipeError(
+                f"expert '{inputs[i]}' is the base model '{inputs[0]}' (both read {shown}): an expert is a "
+                "fine-tuned copy of the base; remove it from the experts",
+                ("experts", i - 1),
+            )
+        raise RecipeError(
+            f"experts '{inputs[first]}' and '{inputs[i]}' are the same checkpoint (both read {shown}): "
+            "list each expert once",
+            ("experts", i - 1),
+        )
+
+
+def file_identity(path: Path) -> tuple[int, int] | str:
+    """What tells a file from every other: its device and inode (its path when it cannot be read)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return str(path)
+    return info.st_dev, info.st_ino

@@ -1,0 +1,125 @@
+"""The two jobs a merge runs through an executor: a merged model (shards) and a merged LoRA adapter (factors).
+
+Both read the same way (:func:`~specmerge.pipeline.work.read_inputs`) and compute with the same functions
+(:mod:`specmerge.pipeline.compute`); they differ in their sink. :class:`ModelJob` hands every merged tensor
+(or block of rows) to a write function (a :class:`~specmerge.io.writer.ShardWriter`'s ``write``, which takes
+them in any order); :class:`AdapterJob` keeps the merged LoRA factors of each tensor an adapter changes.
+A NaN or Inf in an input is reported naming the files that hold it
+(:func:`~specmerge.pipeline.finite.locate_nonfinite`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specmerge.io.experts import Expert
+from specmerge.io.protocol import TensorSource
+from specmerge.linalg.lowrank import AdapterFactors
+from specmerge.pipeline.compute import merge_adapter_tensor, merge_tensor
+from specmerge.pipeline.finite import NonFiniteInput, locate_nonfinite
+from specmerge.pipeline.plan import TensorPlan
+from specmerge.pipeline.work import Inputs, Outcome, Progress, WorkItem, read_inputs, work_items
+
+
+@dataclass(frozen=True)
+class ComputeOptions:
+    """Where and how work items are computed: the device, the compute dtype, and the keys that seed seeded
+    methods (one per expert)."""
+
+    device: torch.device
+    compute_dtype: torch.dtype = torch.float32
+    expert_keys: Sequence[str] | None = None
+
+
+class ModelJob:
+    """A merged model: every planned tensor of the base, row-blocked where the work is row by row, merged and
+    handed to ``write(name, tensor, row_start=...)`` (``row_start`` None for a whole tensor)."""
+
+    def __init__(
+        self,
+        plan: Sequence[TensorPlan],
+        base: TensorSource,
+        experts: Sequence[Expert],
+        write: Callable[..., None],
+        options: ComputeOptions,
+        *,
+        block_bytes: int | None = None,
+    ) -> None:
+        self.base, self.experts, self.write, self.options = base, list(experts), write, options
+        self.items = work_items(plan, options.compute_dtype.itemsize, block_bytes)
+        total = sum(math.prod(entry.shape) * entry.out_dtype.itemsize for entry in plan)
+        self.progress = Progress(total, unit="B", desc="merging", scale=True)
+
+    def read(self, item: WorkItem) -> Inputs:
+        return read_inputs(item, self.base, self.experts)
+
+    def compute(self, item: WorkItem, inputs: Inputs) -> Outcome:
+        o = self.options
+        try:
+            merged, diagnostics = merge_tensor(
+                item.entry,
+                inputs.base,
+                inputs.values,
+                device=o.device,
+                compute_dtype=o.compute_dtype,
+                expert_keys=o.expert_keys,
+            )
+        except NonFiniteInput as err:
+            raise locate_nonfinite(item.entry, self.base, self.experts, err) from None
+        return Outcome(merged, diagnostics, merged.numel() * merged.dtype.itemsize)
+
+    def deliver(self, item: WorkItem, output: Any) -> None:
+        self.write(item.name, output, row_start=item.row_start)
+
+
+class AdapterJob:
+    """A merged LoRA adapter: every tensor that some adapter changes and the plan merges or averages, merged
+    into LoRA factors (:func:`~specmerge.pipeline.compute.merge_adapter_tensor`); the base is not read. Every
+    other tensor of the merged model is the base's. :meth:`factors` gives the result, in plan order."""
+
+    def __init__(
+        self,
+        plan: Sequence[TensorPlan],
+        experts: Sequence[Expert],
+        options: ComputeOptions,
+        *,
+        max_rank: int | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.experts, self.options, self.max_rank, self.out_dtype = list(experts), options, max_rank, out_dtype
+        changed = [e for e in plan if e.action != "keep_base" and any(x.changes(e.name) for x in self.experts)]
+        self.items = [WorkItem(entry) for entry in changed]
+        self.progress = Progress(len(self.items), unit="tensor", desc="merging adapters")
+        self._factors: dict[str, AdapterFactors] = {}
+
+    def read(self, item: WorkItem) -> Inputs:
+        return read_inputs(item, None, self.experts)
+
+    def compute(self, item: WorkItem, inputs: Inputs) -> Outcome:
+        o = self.options
+        try:
+            factors, diagnostics = merge_adapter_tensor(
+                item.entry,
+                inputs.values,
+                device=o.device,
+                compute_dtype=o.compute_dtype,
+                max_rank=self.max_rank,
+                out_dtype=self.out_dtype,
+                expert_keys=o.expert_keys,
+            )
+        except NonFiniteInput as err:
+            raise locate_nonfinite(item.entry, None, self.experts, err) from None
+        return Outcome(factors, diagnostics)
+
+    def deliver(self, item: WorkItem, output: AdapterFactors | None) -> None:
+        if output is not None:  # a zero delta writes no module
+            self._factors[item.name] = output
+
+    def factors(self) -> dict[str, AdapterFactors]:
+        """The merged factors by base weight name, in plan order (whatever order the items ran in)."""
+        return {item.name: self._factors[item.name] for item in self.items if item.name in self._factors}

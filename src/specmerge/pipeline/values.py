@@ -1,0 +1,117 @@
+"""Option values typed as text, read as a YAML recipe reads them, and how an option is spelled on the command line.
+
+One reader for every place where a person types a value outside a recipe file: the command line's flags,
+``-p/--param key=value`` of ``specmerge merge`` and the ``NAME:key=value,...`` method specs of ``specmerge
+inspect``. A value is read as the same text in a YAML recipe is (``0.5``, ``true``, ``.inf``, ``psqrt``,
+``5GB``; ``''`` stays the empty string), so the command line and a recipe accept and refuse exactly the same
+values: the model's validation decides, never the reader.
+
+:class:`Flag` is the command-line spelling of a model field where it is not the default ``--field-name``;
+it rides in the field's annotation (``Annotated[..., Flag(...)]``) so that the model stays the one source
+of every option, its help (the field's ``description``) and its flag. :func:`option_flag` gives the flag
+that error messages name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import yaml
+from pydantic import AfterValidator, BaseModel
+from pydantic.fields import FieldInfo
+
+from specmerge.errors import RecipeError
+
+# Decimal units are powers of 1000 (5GB = 5e9 bytes, as Hugging Face writes shard sizes), binary ones of 1024.
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+DEVICE_PATTERN = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")  # the devices a recipe or an option may name
+
+
+def check_device(device: str) -> str:
+    """``device`` when it is one a recipe may name (cpu, cuda, cuda:N, auto), else a one-line :class:`RecipeError`."""
+    if not DEVICE_PATTERN.match(device):
+        raise RecipeError(f"device '{device}' is not one of cpu, cuda, cuda:N (N = 0, 1, ...), auto")
+    return device
+
+
+Device = Annotated[str, AfterValidator(check_device)]
+
+
+@dataclass(frozen=True)
+class Flag:
+    """The command-line spelling of a model field: ``name`` (default ``--field-name``, or ``--no-field-name``
+    for a switch that is on by default), an optional one-letter ``short`` alias and the ``metavar`` of help."""
+
+    name: str | None = None
+    short: str | None = None
+    metavar: str | None = None
+
+
+def field_flag(name: str, field: FieldInfo) -> Flag:
+    """The :class:`Flag` declared on ``field`` (named ``name`` in its model), its ``name`` filled in."""
+    declared = next((m for m in field.metadata if isinstance(m, Flag)), Flag())
+    if declared.name:
+        return declared
+    switch_off = field.annotation is bool and field.get_default(call_default_factory=True) is True
+    spelled = name.replace("_", "-")
+    return Flag(f"--no-{spelled}" if switch_off else f"--{spelled}", declared.short, declared.metavar)
+
+
+def option_flag(model: type[BaseModel], name: str) -> str | None:
+    """The long flag of ``model``'s field ``name`` (``--rank-ratio``), or None when it has no such field."""
+    field = model.model_fields.get(name)
+    return None if field is None else field_flag(name, field).name
+
+
+def parse_value(text: str, where: str) -> Any:
+    """``text`` read as a YAML recipe reads a value; blank text stays as typed (the model refuses it where it must).
+
+    ``where`` names the value in the one-line error (``--param scale=``, ``--dtype``).
+    """
+    if not text.strip():
+        return text
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or "not a YAML value"
+        raise RecipeError(f"{where} {text!r}: not a valid value ({problem}); quote it as in a recipe") from None
+
+
+def parse_pairs(pairs: Iterable[str], where: str) -> dict[str, Any]:
+    """``key=value`` strings to a dict, each value read by :func:`parse_value`; a later key replaces an earlier one.
+
+    ``where`` names the pairs in the one-line errors (``--param``, ``method 'swudi:t=1'``).
+    """
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise RecipeError(f"{where} expects key=value, got '{pair}'")
+        values[key] = parse_value(text, f"{where} {key}=")
+    return values
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as ``"500MB"``, ``"2GB"`` (10**9) or ``"1.5GiB"`` (2**30)."""
+    if isinstance(value, bool):
+        raise RecipeError(f"shard_size must be a number of bytes or a size such as '5GB', got {value!r}")
+    if isinstance(value, int):
+        size = value
+    else:
+        match = _SIZE.match(str(value))
+        unit = match.group(2).lower() if match else None
+        if unit not in _SIZE_UNITS:
+            raise RecipeError(
+                f"shard_size {value!r} is not a size: use bytes or a number with a unit "
+                f"(B, KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = powers of 1024), e.g. '5GB'"
+            )
+        size = round(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size < 1:
+        raise RecipeError(f"shard_size must be at least 1 byte, got {value!r}")
+    return size

@@ -1,0 +1,48 @@
+"""The rows of the accuracy benchmark's tables: which candidate merges each row chooses among.
+
+The main table has one row per :class:`specmerge.methods.Setting` of every registered method, in the
+registry's order: a method declares its benchmark rows (fixed parameters, and a grid swept on the
+validation splits) where it is registered, so a new method is benchmarked without a change here. The
+WUDI step sweep (and D C⁺, its infinite-step limit) is this benchmark's own experiment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from specmerge.methods import candidate_settings
+from specmerge_bench.accuracy.merging import Candidate
+
+WUDI_STEPS = (100, 200, 300, 500, 700, 1000)  # the step sweep: one WUDI run per seed, with snapshots
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the results table: the candidates whose best (on val) setting it reports."""
+
+    label: str
+    title: str
+    candidates: tuple[Candidate, ...]
+
+
+def method_rows(grids: Mapping[str, Mapping[str, Sequence[Any]]] | None = None) -> list[Row]:
+    """The rows of the main table, in display order: every setting of every registered method.
+
+    ``grids`` (row label -> parameter -> values) replaces the grid values of the rows it names, e.g. a
+    smaller grid in a test; the candidates' parameters and keys are otherwise those the methods declare.
+    """
+    rows = []
+    for method, setting in candidate_settings():
+        if grids and setting.label in grids:
+            setting = replace(setting, grid={**setting.grid, **grids[setting.label]})
+        candidates = tuple(Candidate(setting.label, method.name, params) for params in setting.candidates())
+        rows.append(Row(setting.label, setting.title, candidates))
+    return rows
+
+
+def step_rows() -> list[Row]:
+    """The WUDI step sweep (and D C⁺, its limit)."""
+    rows = [Row(f"wudi_{s}", f"WUDI {s} steps", (Candidate(f"wudi_{s}", "wudi", {"steps": s}),)) for s in WUDI_STEPS]
+    return [*rows, Row("closed_form", "D C⁺ (closed form)", (Candidate("closed_form", "closed_form", {}),))]

@@ -1,0 +1,78 @@
+"""The benchmark scripts in bench/ and `specmerge-bench`: a missing or wrong input is one line, never a traceback."""
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+from specmerge_bench.cli import main as bench_main
+from tiny_models import build_family
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def run_script(name: str, *args: str) -> None:
+    """Run ``bench/<name>`` as ``python bench/<name> ARGS`` does, in this process."""
+    argv = sys.argv
+    sys.argv = [str(BENCH / name), *args]
+    try:
+        runpy.run_path(str(BENCH / name), run_name="__main__")
+    finally:
+        sys.argv = argv
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """MODELS/base and MODELS/expert0..1: a tiny Llama family, single-file checkpoints (no shard index)."""
+    root = tmp_path_factory.mktemp("models")
+    base, experts = build_family(root / "made", "llama", n_experts=2)
+    (root / "base").symlink_to(base)
+    for i, expert in enumerate(experts):
+        (root / f"expert{i}").symlink_to(expert)
+    return root
+
+
+def cases(tmp: Path, family: Path) -> list[tuple[list[str], str]]:
+    (tmp / "a-file").write_text("not a folder")
+    (tmp / "empty").mkdir()
+    return [
+        (
+            ["memory.py", "measure", "--models", str(tmp / "none")],
+            "is not a folder; it must hold base/ and the experts",
+        ),
+        (["memory.py", "measure", "--models", str(tmp / "empty")], "is not a folder"),
+        (["memory.py", "measure", "--models", str(family), "--method", "nope"], "unknown method 'nope'"),
+        (["ablation.py", "--models", str(family)], "lacks expert2/, expert3/ (expected base/, expert0/"),
+        (["end_to_end.py", "--models", str(family)], "lacks expert2/, expert3/"),
+        (["lora_model.py", "measure", "--models", str(family)], "holds no lora*/ folders"),
+        (["lora_model.py", "generate", "--models", str(tmp / "empty")], "base model"),
+        (["under_load.py", "--models", str(tmp / "a-file")], "is a file; give a folder"),
+        (["under_load.py", "--models", str(tmp / "new"), "--methods", "nope"], "--methods: unknown nope"),
+        (["accuracy_investigate.py", "--cache", str(tmp / "empty")], "holds no experts of seed 0"),
+        (["lora_speed.py", "--methods", "ties"], "invalid choice: 'ties'"),
+    ]
+
+
+def test_bench_scripts_refuse_bad_inputs_in_one_line(tmp_path, family, capsys):
+    for argv, message in cases(tmp_path, family):
+        with pytest.raises(SystemExit) as exit_:
+            run_script(*argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2, argv
+        assert err.startswith(f"{argv[0]}: error: ") and message in err, (argv, err)
+        assert len(err.splitlines()) == 1, (argv, err)
+
+
+def test_specmerge_bench_refuses_bad_inputs_in_one_line(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    for argv, message in [
+        (["accuracy", "--cache", str(tmp_path / "a-file")], "is a file; give a folder"),
+        (["accuracy", "--cache", str(tmp_path), "--seeds", "0", "0"], "--seeds must be distinct"),
+        (["accuracy"], "the following arguments are required: --cache"),
+        (["nope"], "invalid choice: 'nope'"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            bench_main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err and len(err.splitlines()) == 1, (argv, err)
