@@ -59,12 +59,12 @@ def _band_average(task_vectors: torch.Tensor, *, scale: float = 1.0) -> LayerRes
 
 
 @pytest.fixture
-def new_method(monkeypatch):
+def new_method():
     """A method registered the way a plugin would be, removed from the registry after the test."""
-    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
     settings = [Setting("band_average", "Band average (s on val)"), Setting("band_half", "Band, half", {"scale": 0.5})]
-    return specmerge.register("band_average", citation="test", title="Band average", needs_matrix=False,
-                              settings=settings)(_band_average)  # fmt: skip
+    with registry.registrations():
+        yield specmerge.register("band_average", citation="test", title="Band average", needs_matrix=False,
+                                 settings=settings)(_band_average)  # fmt: skip
 
 
 def test_a_registered_method_is_benchmarked_demoed_and_timed_without_other_changes(new_method):

@@ -16,8 +16,8 @@ def family(tmp_path_factory):
 def test_score_is_zero_for_the_expert_and_one_for_the_base(family):
     base, experts, _subspaces = family
     tokens = [torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    base_logits = [demo._logits(base, t) for t in tokens]
-    expert_logits = [demo._logits(e, t) for e, t in zip(experts, tokens, strict=True)]
+    base_logits = [demo.model_logits(base, t) for t in tokens]
+    expert_logits = [demo.model_logits(e, t) for e, t in zip(experts, tokens, strict=True)]
     assert demo.score(base, base_logits, expert_logits, tokens) == [1.0, 1.0]
     own = demo.score(experts[0], base_logits, expert_logits, tokens)
     assert own[0] == 0.0 and own[1] > 0
@@ -45,7 +45,7 @@ def test_demo_table_and_command(tmp_path, capsys, monkeypatch):
 
 def test_subspace_interference_is_zero_for_the_expert_and_one_for_the_base(family):
     base, experts, subspaces = family
-    base_w, expert_w = demo._weights(base), [demo._weights(e) for e in experts]
+    base_w, expert_w = demo.read_weights(base), [demo.read_weights(e) for e in experts]
     assert demo.subspace_interference(base, base_w, expert_w, subspaces) == [1.0, 1.0]
     own = demo.subspace_interference(experts[1], base_w, expert_w, subspaces)
     assert own[1] == 0.0 and own[0] > 0

@@ -42,10 +42,10 @@ def _register():
 
 
 @pytest.fixture
-def plugin(monkeypatch):
+def plugin():
     """The method, registered for this test only (the registry's table is restored afterwards)."""
-    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
-    return _register()
+    with registry.registrations():
+        yield _register()
 
 
 def test_register_returns_the_validating_method(plugin):

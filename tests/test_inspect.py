@@ -354,15 +354,15 @@ def _half_sum(task_vectors: torch.Tensor, *, scale: float = 0.5) -> LayerResult:
 
 
 @pytest.fixture
-def plugins(monkeypatch):
+def plugins():
     """Two methods registered the way a plugin would be (one featured and exact on cores, one not featured),
     removed from the registry after the test."""
-    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
-    featured = specmerge.register("half_sum", citation="test", needs_matrix=False, factored=True)(_half_sum)
-    hidden = specmerge.register("half_sum_hidden", citation="test", needs_matrix=False, factored=True, featured=False)(
-        _half_sum
-    )
-    return featured, hidden
+    with registry.registrations():
+        featured = specmerge.register("half_sum", citation="test", needs_matrix=False, factored=True)(_half_sum)
+        hidden = specmerge.register(
+            "half_sum_hidden", citation="test", needs_matrix=False, factored=True, featured=False
+        )(_half_sum)
+        yield featured, hidden
 
 
 def test_default_methods_are_the_featured_closed_form_merges():

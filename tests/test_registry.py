@@ -47,9 +47,10 @@ def builtin_methods() -> dict:
 
 
 @pytest.fixture
-def scratch_registry(monkeypatch):
+def scratch_registry():
     """Registrations in the test go to a copy of the registry, dropped afterwards."""
-    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
+    with registry.registrations():
+        yield
 
 
 def test_every_method_is_registered_with_documented_parameters():

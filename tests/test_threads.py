@@ -25,7 +25,7 @@ NO_THREAD_VARIABLES = {"PATH": "/usr/bin"}
 def _torch_threads(monkeypatch):
     """Each test starts from torch's current count as the 'untouched' one, and leaves it as it found it."""
     before = torch.get_num_threads()
-    monkeypatch.setattr(threads, "_TORCH_THREADS_AT_IMPORT", before)
+    monkeypatch.setattr(threads, "TORCH_THREADS_AT_IMPORT", before)
     for name in threads.THREAD_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     yield
@@ -159,7 +159,7 @@ def test_read_cpu_state_from_injected_files(tmp_path):
 
 
 def test_precedence_of_option_environment_user_setting_default(monkeypatch):
-    monkeypatch.setattr(threads, "_TORCH_THREADS_AT_IMPORT", 2)  # torch's count when specmerge was imported
+    monkeypatch.setattr(threads, "TORCH_THREADS_AT_IMPORT", 2)  # torch's count when specmerge was imported
     state = CpuState(affinity=16)
     assert choose_threads(3, state=state, environ={}) == threads.ThreadChoice(3, "threads option")
     chosen = choose_threads(None, state=state, environ={"OMP_NUM_THREADS": "4"}, current=4)
@@ -170,9 +170,9 @@ def test_precedence_of_option_environment_user_setting_default(monkeypatch):
     assert chosen.threads == 15 and chosen.source.startswith("default")  # ignored, as OpenMP ignores it
     chosen = choose_threads(None, state=state, environ={"OMP_NUM_THREADS": "4"}, current=3)  # then set to 3
     assert (chosen.threads, chosen.source) == (3, "torch.set_num_threads")
-    torch.set_num_threads(threads._TORCH_THREADS_AT_IMPORT + 1)  # the user's own choice: kept
+    torch.set_num_threads(threads.TORCH_THREADS_AT_IMPORT + 1)  # the user's own choice: kept
     chosen = choose_threads(None, state=state, environ={})
-    assert (chosen.threads, chosen.source) == (threads._TORCH_THREADS_AT_IMPORT + 1, "torch.set_num_threads")
+    assert (chosen.threads, chosen.source) == (threads.TORCH_THREADS_AT_IMPORT + 1, "torch.set_num_threads")
     assert choose_threads(2, state=state, environ={}).threads == 2  # the option still wins
 
 
@@ -246,7 +246,7 @@ def test_merge_applies_threads_and_restores(llama, tmp_path, monkeypatch):
 def test_merge_default_threads_come_from_the_cpu_state(llama, tmp_path, monkeypatch):
     base, experts = llama
     torch.set_num_threads(2)
-    monkeypatch.setattr(threads, "_TORCH_THREADS_AT_IMPORT", 2)
+    monkeypatch.setattr(threads, "TORCH_THREADS_AT_IMPORT", 2)
     monkeypatch.setattr(threads, "read_cpu_state", lambda: CpuState(affinity=6, busy=1.0))
     seen = _record_threads(monkeypatch, StreamingExecutor, "run")
     report = merge(base, experts, tmp_path / "a", method="ties", progress=False)
@@ -268,7 +268,7 @@ def test_omp_num_threads_is_respected(llama, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(threads, "read_cpu_state", lambda: CpuState(affinity=64))  # would give 63
     torch.set_num_threads(1)  # what torch did with OMP_NUM_THREADS=1 at start-up
-    monkeypatch.setattr(threads, "_TORCH_THREADS_AT_IMPORT", 1)
+    monkeypatch.setattr(threads, "TORCH_THREADS_AT_IMPORT", 1)
     report = merge(base, experts, tmp_path / "a", method="task_arithmetic", progress=False)
     assert (report["threads"], report["threads_from"]) == (1, "OMP_NUM_THREADS=1")
 

@@ -75,7 +75,7 @@ def build_experts(root: Path, n_experts: int = 4, seed: int = 0) -> tuple[Path, 
     return root / "base", experts, subspaces
 
 
-def _weights(folder: Path) -> dict[str, torch.Tensor]:
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return {k: v.double() for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
@@ -83,7 +83,7 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def subspace_interference(merged: Path, base: dict, experts: list[dict], subspaces: list[dict]) -> list[float]:
     """Per expert: sum over its linear layers of ||(W_m - W_i) S_i||^2 / ||(W_0 - W_i) S_i||^2 (base = 1)."""
-    weights = _weights(merged)
+    weights = read_weights(merged)
     errors = []
     for expert, bases in zip(experts, subspaces, strict=True):
         num = sum(float(((weights[n] - expert[n]) @ S.double()).pow(2).sum()) for n, S in bases.items())
@@ -92,7 +92,7 @@ def subspace_interference(merged: Path, base: dict, experts: list[dict], subspac
     return errors
 
 
-def _logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+def model_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -104,7 +104,7 @@ def score(merged: Path, base_logits: list[torch.Tensor], expert_logits: list[tor
     """Per-expert error_i of the merged model (see the module docstring)."""
     errors = []
     for i, (b, e) in enumerate(zip(base_logits, expert_logits, strict=True)):
-        m = _logits(merged, tokens[i])
+        m = model_logits(merged, tokens[i])
         errors.append(float((m - e).pow(2).sum() / (b - e).pow(2).sum()))
     return errors
 
@@ -115,11 +115,11 @@ def run_demo(workdir: Path, methods: list[str] | None = None, seed: int = 0) -> 
 
     methods = demo_methods() if methods is None else methods
     base, experts, subspaces = build_experts(workdir, seed=seed)
-    base_w, expert_w = _weights(base), [_weights(e) for e in experts]
+    base_w, expert_w = read_weights(base), [read_weights(e) for e in experts]
     g = torch.Generator().manual_seed(seed)
     tokens = [torch.randint(0, 256, (8, 16), generator=g) for _ in experts]
-    base_logits = [_logits(base, t) for t in tokens]
-    expert_logits = [_logits(e, t) for e, t in zip(experts, tokens, strict=True)]
+    base_logits = [model_logits(base, t) for t in tokens]
+    expert_logits = [model_logits(e, t) for e, t in zip(experts, tokens, strict=True)]
     rows = []
     for method in methods:
         out = workdir / f"merged-{method}"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from specmerge.io.peft import LoraAdapter, is_adapter, open_adapter
-from specmerge.io.protocol import TensorInfo, TensorSource
+from specmerge.io.protocol import Closing, TensorInfo, TensorSource
 from specmerge.io.sources import open_source
 from specmerge.io.task_vectors import Dense, LowRank, TaskVector, Zero, count_nonfinite
 from specmerge.linalg.lowrank import LoraDelta
@@ -71,7 +71,7 @@ def source_nonfinite(source: TensorSource, name: str, label: str) -> str | None:
     return f"{count} of {total} entries in {label} '{source.path}'" if count else None
 
 
-class CheckpointExpert:
+class CheckpointExpert(Closing):
     """A full fine-tuned checkpoint as an expert: every tensor is its weight W_i (:class:`Dense`)."""
 
     low_rank = False
@@ -104,14 +104,8 @@ class CheckpointExpert:
     def close(self) -> None:
         self.source.close()
 
-    def __enter__(self) -> CheckpointExpert:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class AdapterExpert:
+class AdapterExpert(Closing):
     """A LoRA adapter as an expert of a base model: every base tensor, changed by s B A on the adapted weights.
 
     ``infos()`` lists the base's tensors (an adapter expert has them all: the ones it does not adapt are
@@ -175,12 +169,6 @@ class AdapterExpert:
 
     def close(self) -> None:
         self.adapter.close()
-
-    def __enter__(self) -> AdapterExpert:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def open_expert(path: str | os.PathLike, base_infos: Mapping[str, TensorInfo]) -> CheckpointExpert | AdapterExpert:

@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from specmerge.errors import SpecmergeWarning
 from specmerge.io.files import folder_file
 from specmerge.io.formats import ADAPTER_CONFIG, ADAPTER_FILES, PEFT_PREFIX, lora_key
-from specmerge.io.protocol import SourceError, TensorInfo
+from specmerge.io.protocol import Closing, SourceError, TensorInfo
 from specmerge.io.sources import open_source
 from specmerge.linalg.lowrank import AdapterFactors, LoraDelta
 
@@ -160,7 +160,7 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
-class LoraAdapter:
+class LoraAdapter(Closing):
     """A PEFT LoRA adapter folder read lazily, one module at a time."""
 
     def __init__(self, folder: Path) -> None:
@@ -309,12 +309,6 @@ class LoraAdapter:
 
     def close(self) -> None:
         self._source.close()
-
-    def __enter__(self) -> LoraAdapter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def adapter_config(

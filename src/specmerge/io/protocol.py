@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
 
 import torch
 
@@ -38,6 +38,19 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+
+class Closing:
+    """A reader used in a ``with`` block: leaving the block calls ``close()`` (the subclass defines it)."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @runtime_checkable

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from specmerge.io.protocol import SourceError, TensorInfo
+from specmerge.io.protocol import Closing, SourceError, TensorInfo
 
 
-class ShardedSource:
+class ShardedSource(Closing):
     """Shared logic of a checkpoint stored in one or more files, optionally mapped by an index.
 
     Subclasses open one file (``open_file``), list its tensors in stored order (``file_infos``) and read one
@@ -77,12 +77,6 @@ class ShardedSource:
     def close(self) -> None:
         with self._lock:
             self._handles.clear()
-
-    def __enter__(self) -> ShardedSource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.describe()}>"

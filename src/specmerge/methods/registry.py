@@ -22,10 +22,11 @@ their family modules, which ``specmerge.methods`` (the catalog) imports.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -308,6 +309,19 @@ def _add(method: Method) -> Method:
             raise TypeError(f"method '{method.name}': setting '{setting.label}' sets unknown {sorted(unknown)}")
     _METHODS[method.name] = method
     return method
+
+
+@contextlib.contextmanager
+def registrations() -> Iterator[None]:
+    """Methods registered inside this block are forgotten when it ends (for a plugin's tests): the registry is
+    restored to what it held on entry."""
+    global _METHODS
+    saved = _METHODS
+    _METHODS = dict(saved)
+    try:
+        yield
+    finally:
+        _METHODS = saved
 
 
 def registered() -> list[Method]:

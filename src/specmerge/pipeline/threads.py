@@ -46,7 +46,7 @@ IO_CPUS = 1  # CPUs left to the reader, writer and fsync threads (and everything
 BUSY_WINDOW = 0.05  # seconds over which other processes' CPU use is sampled
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # what torch itself reads for its default
 
-_TORCH_THREADS_AT_IMPORT = torch.get_num_threads()  # torch's own default, unless changed before this import
+TORCH_THREADS_AT_IMPORT = torch.get_num_threads()  # torch's own default, unless changed before this import
 _active = 0  # merges in progress that set the thread count (the reader and writer threads follow it then)
 _active_lock = threading.Lock()
 
@@ -161,7 +161,7 @@ def choose_threads(
         return ThreadChoice(requested, "threads option")
     current = torch.get_num_threads() if current is None else current
     variable = environment_threads(environ)
-    if current != _TORCH_THREADS_AT_IMPORT and (variable is None or current != variable[1]):
+    if current != TORCH_THREADS_AT_IMPORT and (variable is None or current != variable[1]):
         return ThreadChoice(current, "torch.set_num_threads")
     if variable is not None:
         return ThreadChoice(current, f"{variable[0]}={variable[1]}")
@@ -236,7 +236,7 @@ def read_cpu_state(
         cgroup_text = (proc / "self" / "cgroup").read_text()
     except OSError:
         cgroup_text = ""
-    state = CpuState(len(cpus), cgroup_quota(cgroup_text, cgroup_root), None, _TORCH_THREADS_AT_IMPORT)
+    state = CpuState(len(cpus), cgroup_quota(cgroup_text, cgroup_root), None, TORCH_THREADS_AT_IMPORT)
     if sample_busy and state.needs_busy:
         state = CpuState(state.affinity, state.quota, busy_cpus(cpus, proc / "stat", window), state.torch_default)
     return state
