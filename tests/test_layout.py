@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-import peft
 import pytest
 import torch
 import transformers
@@ -31,6 +30,7 @@ from specmerge.methods import get_method
 from specmerge.pipeline.api import merge
 from specmerge.pipeline.compute import merged_delta
 from specmerge.pipeline.plan import TensorPlan
+from tiny_models import save_adapter
 
 EPS = torch.finfo(torch.float64).eps
 MATRIX_METHODS = ("swudi_a", "swudi", "closed_form", "tsv_m", "iso_c")
@@ -251,17 +251,8 @@ def gpt2_adapters(tmp_path_factory):
     adapters, dense = [], []
     for i, r in enumerate((2, 3, 4)):
         model = transformers.GPT2LMHeadModel.from_pretrained(root / "base", dtype=torch.float64)
-        torch.manual_seed(30 + i)
-        lora = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=["c_attn", "c_fc", "c_proj"],
-                               fan_in_fan_out=True, init_lora_weights=False)  # fmt: skip
-        wrapped = peft.get_peft_model(model, lora)
-        with torch.no_grad():
-            for name, p in wrapped.named_parameters():
-                if "lora_" in name:
-                    p.normal_(0, 0.2)
-        wrapped.save_pretrained(root / f"a{i}")
-        wrapped.merge_and_unload().save_pretrained(root / f"a{i}-merged")
-        adapters.append(root / f"a{i}")
+        lora = {"r": r, "lora_alpha": 2 * r, "target_modules": ["c_attn", "c_fc", "c_proj"], "fan_in_fan_out": True}
+        adapters.append(save_adapter(None, root / f"a{i}", 30 + i, model=model, with_merged=True, **lora))
         dense.append(root / f"a{i}-merged")
     return root / "base", adapters, dense
 

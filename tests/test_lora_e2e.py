@@ -187,16 +187,8 @@ def test_gpt2_conv1d_adapters_round_trip(tmp_path):
     adapters = []
     for i, r in enumerate((2, 3)):
         model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base")
-        torch.manual_seed(20 + i)
-        lora = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True,
-                               init_lora_weights=False)  # fmt: skip
-        wrapped = peft.get_peft_model(model, lora)
-        with torch.no_grad():
-            for name, p in wrapped.named_parameters():
-                if "lora_" in name:
-                    p.normal_(0, 0.2)
-        wrapped.save_pretrained(tmp_path / f"a{i}")
-        adapters.append(tmp_path / f"a{i}")
+        lora = {"r": r, "lora_alpha": 2 * r, "target_modules": ["c_attn", "c_fc"], "fan_in_fan_out": True}
+        adapters.append(save_adapter(None, tmp_path / f"a{i}", 20 + i, model=model, **lora))
     merge(tmp_path / "base", adapters, tmp_path / "lora", output_format="lora", progress=False)
     merge(tmp_path / "base", adapters, tmp_path / "dense", progress=False)
     assert json.loads((tmp_path / "lora" / "adapter_config.json").read_text())["fan_in_fan_out"] is True

@@ -88,16 +88,17 @@ def dummy_inputs(arch: str) -> dict:
     return {"input_ids": torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))}
 
 
-def save_adapter(base_dir, folder, seed, config=None, *, with_merged=False, **lora):
-    """A random (non-zero B) PEFT LoRA adapter of the model in ``base_dir`` (or a new one of ``config``);
-    ``with_merged`` also saves its merge_and_unload model next to it (``<folder>-merged``)."""
+def save_adapter(base_dir, folder, seed, config=None, *, model=None, with_merged=False, **lora):
+    """A random (non-zero B) PEFT LoRA adapter of ``model`` (default: the Llama in ``base_dir``, or a new one of
+    ``config``); ``with_merged`` also saves its merge_and_unload model next to it (``<folder>-merged``)."""
     import peft
 
-    model = (
-        transformers.LlamaForCausalLM(config)
-        if config
-        else transformers.LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    )
+    if model is None:
+        model = (
+            transformers.LlamaForCausalLM(config)
+            if config
+            else transformers.LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        )
     torch.manual_seed(seed)
     wrapped = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **lora))
     with torch.no_grad():
