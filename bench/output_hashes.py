@@ -14,8 +14,10 @@ Three modes; run the first two on the old and the new code and compare the JSON 
     python bench/output_hashes.py compare old.json new.json
         lists every key that differs or is missing; exit 1 if any.
 
-To hash the code of an earlier commit: ``git worktree add /tmp/old <commit>`` and run this script with
-``PYTHONPATH=/tmp/old/src``.
+Compare hashes made on the same machine with the same ``--threads`` (default 1): reductions in matrix
+products and decompositions are split by the thread count, and the default thread count of a merge
+depends on how busy the CPUs are. To hash the code of an earlier commit: ``git worktree add /tmp/old <commit>``
+and run this script with ``PYTHONPATH=/tmp/old/src``.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def _lora_adapters(base: Path, root: Path, n: int = 4, rank: int = 4) -> list[Pa
     return folders
 
 
-def demo_hashes() -> dict[str, str]:
+def demo_hashes(threads: int) -> dict[str, str]:
     import specmerge
     from specmerge.demo import build_experts
 
@@ -88,7 +90,9 @@ def demo_hashes() -> dict[str, str]:
                 runs["lora->lora"] = (adapters, "lora")
             for label, (inputs, output_format) in runs.items():
                 target = root / "out" / f"{name}-{label.replace('->', '-')}"
-                specmerge.merge(base, inputs, target, method=name, output_format=output_format, progress=False)
+                specmerge.merge(
+                    base, inputs, target, method=name, output_format=output_format, progress=False, threads=threads
+                )
                 for file, digest in _folder_hashes(target).items():
                     out[f"{name}/{label}/{file}"] = digest
                 print(f"{name} {label}: {len(list(target.iterdir()))} files", flush=True)
@@ -156,11 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="mode", required=True)
     demo = sub.add_parser("demo", help="hash every method's outputs on the demo models and LoRA adapters")
     demo.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    demo.add_argument("--threads", type=int, default=1, help="torch threads of every merge (default 1)")
 
     acc = sub.add_parser("accuracy", help="hash every accuracy-benchmark candidate's deltas on one seed's experts")
     acc.add_argument("--cache", type=Path, required=True, help="the accuracy benchmark's cache folder")
     acc.add_argument("--seed", type=int, default=0, help="training seed of the experts (default 0)")
     acc.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    acc.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     cmp = sub.add_parser("compare", help="compare two hash files (new keys are listed but do not fail)")
     cmp.add_argument("old", type=Path)
     cmp.add_argument("new", type=Path)
@@ -172,7 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         return compare(args.old, args.new)
     if args.mode == "accuracy" and not args.cache.is_dir():
         _fail(f"cache folder {args.cache} does not exist: run the accuracy benchmark with --cache first")
-    hashes = demo_hashes() if args.mode == "demo" else accuracy_hashes(args.cache, args.seed)
+    import torch
+
+    if args.threads < 1:
+        _fail(f"--threads must be at least 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    hashes = demo_hashes(args.threads) if args.mode == "demo" else accuracy_hashes(args.cache, args.seed)
     args.out.write_text(json.dumps(hashes, indent=1, sort_keys=True))
     print(f"{len(hashes)} hashes written to {args.out}")
     return 0
