@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Protocol
 
 from specmerge.io.peft import LoraAdapter, is_adapter, open_adapter
-from specmerge.io.protocol import Closing, TensorInfo, TensorSource
+from specmerge.io.protocol import Closing, Rows, TensorInfo, TensorSource, row_ranges
 from specmerge.io.sources import open_source
 from specmerge.io.task_vectors import Dense, LowRank, TaskVector, Zero, count_nonfinite
 from specmerge.linalg.lowrank import LoraDelta
 
-Rows = tuple[int, int] | None
 NONFINITE_BLOCK_BYTES = 16 * 2**20  # a tensor searched for NaN and Inf is read in blocks of rows this large
 
 
@@ -64,9 +63,7 @@ def source_nonfinite(source: TensorSource, name: str, label: str) -> str | None:
     of rows, so that counting costs a block, not a tensor), or None when it has none."""
     shape = source.infos()[name].shape
     total = math.prod(shape)
-    rows = shape[0] if shape else 0
-    per_block = max(1, NONFINITE_BLOCK_BYTES // max(1, total // rows * 4)) if rows else 1
-    blocks = [(start, min(start + per_block, rows)) for start in range(0, rows, per_block)] if rows else [None]
+    blocks = row_ranges(shape, 4, NONFINITE_BLOCK_BYTES)
     count = sum(count_nonfinite(source.load(name, block)) for block in blocks)
     return f"{count} of {total} entries in {label} '{source.path}'" if count else None
 

@@ -40,6 +40,22 @@ class TensorInfo:
         return self.numel * self.dtype.itemsize
 
 
+Rows = tuple[int, int] | None  # a block of rows start:stop of a tensor (dim 0), or None for the whole tensor
+
+
+def row_ranges(shape: tuple[int, ...], itemsize: int, block_bytes: int) -> list[Rows]:
+    """Blocks of rows of a tensor of ``shape`` holding at most ``block_bytes`` each (at least one row), in
+    order; ``[None]`` (the whole tensor at once) when one block holds it all or it has no rows."""
+    if not shape or shape[0] == 0:
+        return [None]
+    rows = shape[0]
+    row_bytes = max(1, math.prod(shape) // rows * itemsize)
+    per_block = max(1, block_bytes // row_bytes)
+    if per_block >= rows:
+        return [None]
+    return [(start, min(start + per_block, rows)) for start in range(0, rows, per_block)]
+
+
 class Closing:
     """A reader used in a ``with`` block: leaving the block calls ``close()`` (the subclass defines it)."""
 

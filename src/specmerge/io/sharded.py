@@ -7,7 +7,6 @@ file, list its tensors and read one tensor.
 
 from __future__ import annotations
 
-import difflib
 import os
 import threading
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from typing import Any
 
 import torch
 
+from specmerge.errors import closest_name
 from specmerge.io.protocol import Closing, SourceError, TensorInfo
 
 
@@ -65,8 +65,8 @@ class ShardedSource(Closing):
         self.infos()
         file = self._where.get(name)
         if file is None:
-            close = difflib.get_close_matches(name, list(self._where), n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
+            close = closest_name(name, list(self._where))
+            hint = f"did you mean '{close}'? " if close else ""
             raise SourceError(f"{self.describe()}: no tensor named '{name}'; {hint}({len(self._where)} tensors)")
         if rows is not None:
             shape = self._infos[name].shape

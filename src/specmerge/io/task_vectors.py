@@ -26,6 +26,12 @@ import torch
 from specmerge.linalg.lowrank import LoraDelta
 
 
+def _require_base(base: torch.Tensor | None) -> torch.Tensor:
+    if base is None:
+        raise ValueError("a full checkpoint's task vector W_i - W_0 needs the base tensor W_0")
+    return base
+
+
 def count_nonfinite(tensor: torch.Tensor) -> int:
     """How many entries of ``tensor`` are NaN or +-Inf (0 for integer tensors)."""
     if not tensor.is_floating_point():
@@ -54,9 +60,7 @@ class Dense:
 
     def write_into(self, out: torch.Tensor, base: torch.Tensor | None) -> None:
         """Write the task vector into ``out`` (a buffer of the tensor's shape, in the compute dtype), in place."""
-        if base is None:
-            raise ValueError("a full checkpoint's task vector W_i - W_0 needs the base tensor W_0")
-        out.copy_(self.weight).sub_(base)
+        out.copy_(self.weight).sub_(_require_base(base))
 
     def add_into(self, total: torch.Tensor) -> int:
         """Add what this value holds to ``total``; return how many times the base must be subtracted (W_i: once)."""
@@ -165,9 +169,7 @@ def task_vector_sum(
     total = torch.zeros(tuple(shape), dtype=dtype, device=device)
     full = sum(value.add_into(total) for value in values)
     if full:
-        if base_c is None:
-            raise ValueError("a full checkpoint's task vector W_i - W_0 needs the base tensor W_0")
-        total.sub_(base_c, alpha=full)
+        total.sub_(_require_base(base_c), alpha=full)
     return total
 
 

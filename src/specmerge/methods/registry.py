@@ -156,11 +156,7 @@ class Method:
         ``dtype`` is the compute dtype (default: float32 for half inputs, else the input's).
         ``tensor_name`` names the tensor in errors; with ``expert_keys`` it seeds a seeded method.
         """
-        values = self.validate(params)
-        self._check_stack(task_vectors, tensor_name)
-        if self.seeded:
-            values.update(tensor_name=tensor_name, expert_keys=expert_keys)
-        return self.fn(compute_dtype(task_vectors, dtype), **values, **self.fixed)
+        return self._run(task_vectors, dtype, tensor_name, expert_keys, params, {})
 
     def merge_cores(
         self,
@@ -178,13 +174,8 @@ class Method:
         """
         if not self.factored:
             raise ValueError(f"method '{self.name}' cannot merge factored (low-rank) experts; densify them first")
-        values = self.validate(params)
-        self._check_stack(cores, tensor_name)
-        if self.seeded:
-            values.update(tensor_name=tensor_name, expert_keys=expert_keys)
-        if "full_shape" in self.context:
-            values["full_shape"] = full_shape
-        return self.fn(compute_dtype(cores, dtype), **values, **self.fixed)
+        shape = {"full_shape": full_shape} if "full_shape" in self.context else {}
+        return self._run(cores, dtype, tensor_name, expert_keys, params, shape)
 
     def merge_factored(
         self, deltas: Sequence[LoraDelta], *, dtype: torch.dtype | None = None, **params: Any
@@ -208,6 +199,22 @@ class Method:
     def __reduce__(self) -> tuple[Callable[[str], Method], tuple[str]]:
         """Pickled (for worker processes) and copied by name: a registered method is one object per process."""
         return lookup, (self.name,)
+
+    def _run(
+        self,
+        stack: torch.Tensor,
+        dtype: torch.dtype | None,
+        tensor_name: str,
+        expert_keys: Sequence[str] | None,
+        params: Mapping[str, Any],
+        context: Mapping[str, Any],
+    ) -> LayerResult:
+        """Validate ``params``, check the stack's shape, add the seed context, run ``fn`` in the compute dtype."""
+        values = self.validate(params)
+        self._check_stack(stack, tensor_name)
+        if self.seeded:
+            values.update(tensor_name=tensor_name, expert_keys=expert_keys)
+        return self.fn(compute_dtype(stack, dtype), **values, **context, **self.fixed)
 
     def _check_stack(self, task_vectors: torch.Tensor, tensor_name: str) -> None:
         if self.needs_matrix and task_vectors.dim() != 3:

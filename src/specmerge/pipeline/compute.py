@@ -97,7 +97,7 @@ def merged_delta(
         check_inputs(entry, None, values)  # the factors: small; the base is checked by the caller
         deltas = low_rank_deltas(values, dtype=compute_dtype, device=device)
         if method is None:  # average: s / N * sum_i s_i B_i A_i, as one pair of concatenated factors
-            scale = entry.params.get("scale", 1.0) / n
+            scale = linear_coefficient(entry, n)
             left = torch.cat([d.B * (scale * d.scale) for d in deltas], dim=1)
             right = torch.cat([d.A for d in deltas], dim=0)
             return FactoredResult(left, right, {}), {"route": "factored"}

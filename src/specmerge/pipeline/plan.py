@@ -41,7 +41,6 @@ name, so tied copies differ; ``transformers`` re-ties them on load).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import fnmatch
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from specmerge.errors import SpecmergeError
+from specmerge.errors import SpecmergeError, closest_name
 from specmerge.methods import Method, all_methods, get_method
 from specmerge.pipeline.recipe import DTYPES, Recipe
 
@@ -173,8 +172,8 @@ def _unused_override(index: int, overrides: Sequence[Any], base: Mapping[str, Te
     override = overrides[index]
     names = [name for name in base if fnmatch.fnmatchcase(name, override.pattern)]
     if not names:
-        example = difflib.get_close_matches(override.pattern, list(base), n=1, cutoff=0)
-        hint = f" (names look like '{example[0]}')" if example else ""
+        example = closest_name(override.pattern, list(base), cutoff=0)
+        hint = f" (names look like '{example}')" if example else ""
         raise PlanError(
             f"override '{override.pattern}' matches no tensor of the base{hint}: fix the pattern or remove it"
         )

@@ -28,12 +28,11 @@ from typing import Any, Protocol
 import torch
 
 from specmerge.io.experts import Expert
-from specmerge.io.protocol import TensorSource
+from specmerge.io.protocol import Rows, TensorSource, row_ranges
 from specmerge.io.task_vectors import TaskVector
 from specmerge.methods import get_method
 from specmerge.pipeline.plan import TensorPlan
 
-Rows = tuple[int, int] | None
 BLOCK_BYTES = 16 * 2**20  # small enough for reads, compute and writes to overlap well (BENCHMARKS.md, issue 6)
 
 
@@ -65,16 +64,10 @@ def row_blocks(entry: TensorPlan, itemsize: int, block_bytes: int | None = None)
     Only work that is the same function of every row is split: keeping the base, averaging, and merges whose
     method declares itself linear in the task vectors (:attr:`specmerge.methods.registry.Method.linear`).
     """
-    block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
     rowwise = entry.action in ("keep_base", "average") or (entry.action == "merge" and get_method(entry.method).linear)
-    if not rowwise or not entry.shape or entry.shape[0] == 0:
+    if not rowwise:
         return [None]
-    rows = entry.shape[0]
-    row_bytes = max(1, math.prod(entry.shape) // rows * itemsize)
-    per_block = max(1, block_bytes // row_bytes)
-    if per_block >= rows:
-        return [None]
-    return [(start, min(start + per_block, rows)) for start in range(0, rows, per_block)]
+    return row_ranges(entry.shape, itemsize, BLOCK_BYTES if block_bytes is None else block_bytes)
 
 
 def work_items(plan: Sequence[TensorPlan], itemsize: int, block_bytes: int | None = None) -> list[WorkItem]:
