@@ -25,7 +25,7 @@ from specmerge.linalg.quadratic import initial_point, normal_equation
 from specmerge.linalg.solve import filtered_solve
 from specmerge.linalg.spectrum import Spectrum, decompose
 from specmerge.methods import LayerResult, all_methods, registry
-from tiny_models import build_family
+from tiny_models import build_family, llama_config
 
 
 def spectrum_of(eigenvalues: list[float], n_rows: int, n_cols: int) -> Spectrum:
@@ -271,10 +271,7 @@ def test_inspect_dense_report_files_rows_and_norms(bert, tmp_path):
 
 
 def test_inspect_lora_experts_use_factored_route(tmp_path):
-    config = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
+    config = llama_config()
     torch.manual_seed(0)
     base = tmp_path / "base"
     transformers.LlamaForCausalLM(config).save_pretrained(base)

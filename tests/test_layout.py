@@ -30,7 +30,7 @@ from specmerge.methods import get_method
 from specmerge.pipeline.api import merge
 from specmerge.pipeline.compute import merged_delta
 from specmerge.pipeline.plan import TensorPlan
-from tiny_models import save_adapter
+from tiny_models import llama_config, save_adapter
 
 EPS = torch.finfo(torch.float64).eps
 MATRIX_METHODS = ("swudi_a", "swudi", "closed_form", "tsv_m", "iso_c")
@@ -211,10 +211,7 @@ def test_elementwise_methods_are_unaffected(gpt2, tmp_path):
 
 
 def test_llama_is_unaffected(tmp_path):
-    config = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64, max_position_embeddings=32, tie_word_embeddings=False,
-    )  # fmt: skip
+    config = llama_config(layers=1, positions=32)
     torch.manual_seed(4)
     base_dir, expert_dirs = save_family(tmp_path, transformers.LlamaForCausalLM(config).double())
     report = merge(base_dir, expert_dirs, tmp_path / "m", method="swudi_a", progress=False, **F64)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from specmerge.cli import main
 from specmerge.pipeline.api import merge
-from tiny_models import build_family, save_adapter
+from tiny_models import build_family, llama_config, save_adapter
 
 KEYS = ["a0", "a1", "a2"]
 ADAPTERS = [  # mismatched ranks, rsLoRA, a rank pattern, different target modules
@@ -23,13 +23,6 @@ ADAPTERS = [  # mismatched ranks, rsLoRA, a rank pattern, different target modul
 FACTORED = [("swudi_a", {}), ("swudi", {"t": 300.0}), ("closed_form", {}), ("task_arithmetic", {}), ("tsv_m", {}),
             ("iso_c", {}), ("weight_average", {})]  # fmt: skip
 DENSIFIED = [("ties", {}), ("dare_ties", {}), ("wudi", {"steps": 3})]
-
-
-def llama_config(layers: int = 2, hidden: int = 32) -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
-        hidden_size=hidden, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=64, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

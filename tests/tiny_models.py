@@ -8,19 +8,18 @@ import torch
 import transformers
 
 
+def llama_config(layers: int = 2, hidden: int = 32, positions: int = 64) -> transformers.LlamaConfig:
+    """The tests' tiny Llama: ``layers`` decoder layers of width ``hidden``, 4 heads (2 KV), vocabulary 64."""
+    return transformers.LlamaConfig(
+        hidden_size=hidden, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=positions, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
 def _configs() -> dict:
     return {
         "llama": (
-            transformers.LlamaConfig(
-                hidden_size=32,
-                intermediate_size=48,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                vocab_size=64,
-                max_position_embeddings=64,
-                tie_word_embeddings=False,
-            ),
+            llama_config(),
             transformers.LlamaForCausalLM,
         ),
         "bert": (
