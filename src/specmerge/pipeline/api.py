@@ -21,19 +21,18 @@ from typing import Any
 import torch
 
 from specmerge.errors import RecipeError
-from specmerge.io.experts import AdapterExpert
-from specmerge.io.layout import transposed_weights
-from specmerge.io.model_files import copy_model_files, model_files, write_output_config
+from specmerge.io.model_files import copy_model_files, write_output_config
 from specmerge.io.output import atomic_directory, check_output
 from specmerge.io.peft import adapter_config, write_adapter
-from specmerge.io.protocol import TensorInfo, TensorSource
+from specmerge.io.protocol import TensorInfo
 from specmerge.io.writer import ShardWriter
 from specmerge.methods import get_method
+from specmerge.pipeline.card import model_card
 from specmerge.pipeline.compute import resolve_device
 from specmerge.pipeline.executor import StreamingExecutor
-from specmerge.pipeline.inputs import open_inputs, refuse_output_inside_inputs
+from specmerge.pipeline.inputs import refuse_output_inside_inputs
 from specmerge.pipeline.jobs import AdapterJob, ComputeOptions, ModelJob
-from specmerge.pipeline.plan import TensorPlan, check_lora_output, make_plan, summarize
+from specmerge.pipeline.prepare import PreparedMerge, prepare_merge
 from specmerge.pipeline.recipe import DTYPES, Recipe
 from specmerge.pipeline.threads import check_threads, merge_threads
 from specmerge.pipeline.work import Executor, TensorReport
@@ -135,20 +134,14 @@ def run_recipe(
     method = get_method(recipe.method)
     with ExitStack() as stack:
         threads_used = stack.enter_context(merge_threads(threads))  # torch's count restored on leaving
-        base, experts = open_inputs(stack, recipe.base, recipe.experts, output)
-        if recipe.output_format == "model":
-            model_files(recipe.base)  # the files copied at the end, checked before any work
-        transposed = transposed_weights(recipe.base, base.infos(), experts)
-        plan = make_plan(recipe, base.infos(), [e.infos() for e in experts], list(recipe.experts), transposed)
-        if recipe.output_format == "lora":
-            check_lora_output(recipe, plan, experts)
-        summary = summarize(plan)  # its output bytes go into a full disk's message
-        size = summary["bytes"] if recipe.output_format == "model" else None
+        prepared = prepare_merge(stack, recipe, output)
+        summary = prepared.summary
+        size = summary["bytes"] if recipe.output_format == "model" else None  # goes into a full disk's message
         with atomic_directory(output, overwrite=overwrite, expected_bytes=size) as folder:
             if recipe.output_format == "lora":
-                reports, extra = _write_adapter(recipe, plan, experts, folder, options, executor, progress)
+                reports, extra = _write_adapter(prepared, folder, options, executor, progress)
             else:
-                reports, extra = _write_model(recipe, plan, base, experts, folder, options, executor, progress, fsync)
+                reports, extra = _write_model(prepared, folder, options, executor, progress, fsync)
             report = {
                 "specmerge": __version__,
                 "method": recipe.method,
@@ -163,6 +156,7 @@ def run_recipe(
                 "seconds": round(time.perf_counter() - started, 3),
                 "files": sorted([p.name for p in folder.iterdir()] + ["recipe.yaml", "report.json", "README.md"]),
                 "summary": summary,
+                **prepared.notes,
                 **extra,
                 "tensors": [asdict(r) for r in reports],
             }
@@ -173,16 +167,14 @@ def run_recipe(
 
 
 def _write_model(
-    recipe: Recipe,
-    plan: list[TensorPlan],
-    base: TensorSource,
-    experts: Sequence[Any],
+    prepared: PreparedMerge,
     folder: Path,
     options: ComputeOptions,
     executor: Executor,
     progress: bool,
     fsync: bool,
 ) -> tuple[list[TensorReport], dict]:
+    recipe, plan = prepared.recipe, prepared.plan
     writer = ShardWriter(
         folder,
         [TensorInfo(p.name, p.shape, p.out_dtype) for p in plan],
@@ -191,21 +183,21 @@ def _write_model(
         fsync=fsync,
     )
     with writer:  # closes (index, completeness check) on success, aborts on error
-        reports = executor.run(ModelJob(plan, base, experts, writer.write, options), progress=progress)
-    copy_model_files(Path(recipe.base), folder)
+        job = ModelJob(plan, prepared.base, prepared.experts, writer.write, options)
+        reports = executor.run(job, progress=progress)
+    copy_model_files(prepared.config_path, folder)
     write_output_config(folder, [TensorInfo(p.name, p.shape, p.out_dtype) for p in plan])
     return reports, {}
 
 
 def _write_adapter(
-    recipe: Recipe,
-    plan: list[TensorPlan],
-    experts: Sequence[AdapterExpert],
+    prepared: PreparedMerge,
     folder: Path,
     options: ComputeOptions,
     executor: Executor,
     progress: bool,
 ) -> tuple[list[TensorReport], dict]:
+    recipe, plan, experts = prepared.recipe, prepared.plan, prepared.experts
     out_dtype = DTYPES[recipe.dtype] if recipe.dtype != "auto" else experts[0].adapter.dtype
     job = AdapterJob(plan, experts, options, max_rank=recipe.max_rank, out_dtype=out_dtype)
     reports = executor.run(job, progress=progress)
@@ -220,25 +212,3 @@ def _write_adapter(
         }
     }
     return reports, extra
-
-
-def model_card(recipe: Recipe, citation: str) -> str:
-    """A short README.md for the merged model or adapter: what was merged, how, and the recipe to redo it."""
-    experts = "\n".join(f"- `{e}`" for e in recipe.experts)
-    if recipe.output_format == "lora":
-        title = "Merged LoRA adapter"
-        usage = (
-            "A PEFT LoRA adapter of the base model (exact merge"
-            + (f", modules truncated to rank {recipe.max_rank}" if recipe.max_rank else "")
-            + "):\n\n```python\nfrom peft import PeftModel\n"
-            "model = PeftModel.from_pretrained(base_model, path_to_this_folder)\n```\n\n"
-        )
-    else:
-        title, usage = "Merged model", ""
-    return (
-        "---\ntags:\n- merge\n- specmerge\n---\n\n"
-        f"# {title}\n\nBase model: `{recipe.base}`\n\nExperts:\n{experts}\n\n"
-        f"Merged with specmerge {__version__}, method `{recipe.method}` ({citation}).\n\n{usage}"
-        "Per-tensor diagnostics (kept rank, spectrum, time) are in `report.json`.\n\n"
-        f"## Recipe\n\n```yaml\n{recipe.to_yaml()}```\n"
-    )

@@ -22,13 +22,15 @@ from specmerge.io.sources import open_source
 
 
 def open_inputs(
-    stack: ExitStack, base: str, experts: Sequence[str], output: str | os.PathLike
+    stack: ExitStack, base: str, experts: Sequence[str], output: str | os.PathLike | None
 ) -> tuple[TensorSource, list[Expert]]:
-    """Open ``base`` and ``experts`` (closed when ``stack`` closes), checked against each other and ``output``."""
+    """Open ``base`` and ``experts`` (closed when ``stack`` closes), checked against each other and ``output``
+    (None: nothing is written, as in a dry run)."""
     base_source = stack.enter_context(open_source(base))
     opened = [stack.enter_context(open_expert(path, base_source.infos())) for path in experts]
     refuse_duplicate_inputs([base, *experts], [base_source, *opened])
-    refuse_output_inside_inputs(Path(output), [base, *experts], [base_source, *opened])
+    if output is not None:
+        refuse_output_inside_inputs(Path(output), [base, *experts], [base_source, *opened])
     return base_source, opened
 
 
