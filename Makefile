@@ -14,8 +14,8 @@ demo: $(VENV)/.installed
 	$(BIN)/specmerge demo
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff format --check src tests bench examples
 
 # The numerical tests run again on one thread: reduction order changes with the thread count, and a
 # float tolerance must hold at every count (issue 13).

@@ -39,6 +39,12 @@ MERGE_SAMPLES = {
     "shard_size": (["--shard-size", "500MB"], "500MB"),
     "output_format": (["--output-format", "lora"], "lora"),
     "max_rank": (["--max-rank", "8"], 8),
+    "config_source": (["--config-source", "e2"], "e2"),
+    "tokenizer_source": (["--tokenizer-source", "e2"], "e2"),
+    "modules": (
+        ["--module", "vision_tower.*=e1", "--module", "classifier.*=drop"],
+        {"vision_tower.*": "e1", "classifier.*": "drop"},
+    ),
 }
 INSPECT_SAMPLES = {
     "layers": (["--layers", r"layers\.[0-3]\.mlp"], r"layers\.[0-3]\.mlp"),

@@ -8,7 +8,9 @@ Only what is not a field of :class:`~specmerge.pipeline.recipe.Recipe` or
 from __future__ import annotations
 
 import argparse
+import functools
 import textwrap
+from collections.abc import Callable
 
 from specmerge.cli.fields import add_fields, field_values
 from specmerge.cli.running import plain_warnings
@@ -63,6 +65,20 @@ def schema_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def announced(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Run ``command`` printing on stderr, before the work, one line per input resolved from the Hugging Face hub
+    (or local path shadowing a hub id), and the download progress; ``--quiet`` prints neither."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        from specmerge.io.hub import announce_inputs
+
+        with announce_inputs(not args.quiet):
+            return command(args)
+
+    return run
+
+
 def _output_options(args: argparse.Namespace) -> dict:
     """The keyword arguments of a merge's output that ``merge`` and ``run`` share."""
     return {
@@ -73,27 +89,34 @@ def _output_options(args: argparse.Namespace) -> dict:
     }
 
 
+@announced
 @plain_warnings
 def merge_command(args: argparse.Namespace) -> int:
     from specmerge.pipeline import api
 
     paths = field_values(args, Recipe)  # every option given is the recipe's to validate, empty or zero included
     base, experts = paths.pop("base"), paths.pop("experts")
+    if _dry(args):
+        return _dry_run(api.merge_recipe(base, experts, **paths), args)
     report = api.merge(base, experts, args.output, **_output_options(args), **paths)
     _print_summary(report, args.output)
     return 0
 
 
+@announced
 @plain_warnings
 def run_command(args: argparse.Namespace) -> int:
     from specmerge.pipeline.api import run_recipe
     from specmerge.pipeline.recipe import load_recipe
 
+    if _dry(args):
+        return _dry_run(load_recipe(args.recipe), args)
     report = run_recipe(load_recipe(args.recipe), args.output, **_output_options(args))
     _print_summary(report, args.output)
     return 0
 
 
+@announced
 @plain_warnings
 def inspect_command(args: argparse.Namespace) -> int:
     from specmerge.diagnostics.run import inspect_model
@@ -119,6 +142,27 @@ def demo_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dry(args: argparse.Namespace) -> bool:
+    """Whether this is a dry run; refuses a merge without -o and --json without --dry-run (one line each)."""
+    if args.json and not args.dry_run:
+        raise ValueError("--json prints a dry run's estimate: add --dry-run")
+    if args.output is None and not args.dry_run:
+        raise ValueError("-o/--output is required: the new model folder (or --dry-run to only see the plan)")
+    return args.dry_run
+
+
+def _dry_run(recipe: Recipe, args: argparse.Namespace) -> int:
+    """Print the plan and its estimated cost (a table, or JSON with every tensor); nothing is written."""
+    import json
+
+    from specmerge.pipeline.dryrun import dry_run, format_estimate
+
+    options = {k: v for k, v in _output_options(args).items() if k != "progress"}
+    estimate = dry_run(recipe, args.output, tensors=args.json, **options)
+    print(json.dumps(estimate, indent=1, default=str) if args.json else format_estimate(estimate))
+    return 0
+
+
 def _print_summary(report: dict, output: str) -> None:
     print(f"merged {len(report['tensors'])} tensors with {report['method']} in {report['seconds']:.1f} s -> {output}")
     adapter = report.get("adapter")
@@ -140,7 +184,9 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overwrite", action="store_true", help="replace an existing folder that specmerge wrote (or an empty one)"
     )
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bar, no download progress, no hub resolution lines"
+    )
     p.add_argument(
         "--threads",
         metavar="N",
@@ -150,8 +196,17 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_model_output(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-o", "--output", required=True, help="new model folder (must not exist unless --overwrite)")
+    p.add_argument(
+        "-o", "--output", help="new model folder (must not exist unless --overwrite); required but with --dry-run"
+    )
     _add_output_arguments(p)
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (which tensors get which action, method and route), the bytes to read and write, the "
+        "peak memory and the time it would take; read no tensor, write nothing (-o, if given, is checked)",
+    )
+    p.add_argument("--json", action="store_true", help="with --dry-run: print the estimate as JSON, every tensor too")
     p.add_argument(
         "--no-fsync",
         action="store_true",

@@ -49,6 +49,7 @@ from specmerge.diagnostics.statistics import (
 from specmerge.diagnostics.tables import InspectState, render_report, summarize, write_tables
 from specmerge.errors import RecipeError, SpecmergeError, closest_name
 from specmerge.io.experts import Expert
+from specmerge.io.hub import absolute_spec
 from specmerge.io.layout import CONV1D_LAYOUT, transposed_weights
 from specmerge.io.output import atomic_directory
 from specmerge.io.protocol import TensorSource
@@ -121,7 +122,7 @@ def inspect_model(
     specs = [parse_method_spec(s) for s in opts.methods]
     if opts.plots:
         require_matplotlib()
-    recipe = Recipe(base=os.path.abspath(base), experts=[os.path.abspath(e) for e in experts])
+    recipe = Recipe(base=absolute_spec(os.fspath(base)), experts=[absolute_spec(os.fspath(e)) for e in experts])
     output = Path(output)
     refuse_output_inside_inputs(output, [recipe.base, *recipe.experts])  # before opening anything
     device = resolve_device(opts.device)
@@ -173,7 +174,7 @@ def select_layers(
     expert_infos = [e.infos() for e in experts]
     skipped = [name for name in infos if not any(name in e for e in expert_infos)]
     kept = {name: info for name, info in infos.items() if name not in skipped}
-    plan = make_plan(recipe, kept, expert_infos, list(recipe.experts), transposed_weights(recipe.base, kept, experts))
+    plan = make_plan(recipe, kept, expert_infos, list(recipe.experts), transposed_weights(base.path, kept, experts))
     layers = [e for e in plan if e.action == "merge" and (pattern is None or re.search(pattern, e.name))]
     if not layers:
         what = f"matches --layers '{pattern}'" if pattern else "is in the base"

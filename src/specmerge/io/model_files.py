@@ -1,8 +1,12 @@
-"""A merged model's files besides its weights: the base's config, tokenizer and code, and the dtype in config.json.
+"""A merged model's files besides its weights: config, tokenizer and code, and the dtype and vocabulary in config.json.
 
-:func:`copy_model_files` copies the non-weight files a merged model needs (each checked by
-:func:`specmerge.io.files.folder_file`: nothing outside the base folder is copied), and
-:func:`write_output_config` makes ``config.json`` state the dtype the weights were written in.
+A model folder's non-weight files are of two kinds: those that go with the config (:func:`config_files`:
+config.json, generation and processor configs, remote code) and those that go with the tokenizer
+(:func:`tokenizer_files`), since a merged model may take its config from one input and its tokenizer from another.
+:func:`copy_model_files` copies both kinds from one folder (:func:`copy_config_files`,
+:func:`copy_tokenizer_files`: one kind), each file checked by :func:`specmerge.io.files.folder_file` (nothing
+outside the input folder is copied); :func:`write_output_config` makes ``config.json`` state the dtype the
+weights were written in and, when the vocabulary changed, its number of rows.
 """
 
 from __future__ import annotations
@@ -21,40 +25,47 @@ from specmerge.io.files import folder_file, read_json, write_json
 from specmerge.io.formats import CONFIG_FILE
 from specmerge.io.protocol import SourceError, TensorInfo
 
-# Files of a Hugging Face folder that are not weights and that a merged model needs (top level only).
-MODEL_FILE_PATTERNS = (
+# Files of a Hugging Face folder that are not weights and that a merged model needs (top level only): those that go
+# with the config (the model's architecture, generation settings, processors, remote code) ...
+CONFIG_FILE_PATTERNS = (
     "config.json",
     "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "image_processor*.json",
+    "video_preprocessor*.json",
+    "*.py",
+)
+# ... and those that go with the tokenizer (its vocabulary, added tokens, special tokens and chat template).
+TOKENIZER_FILE_PATTERNS = (
+    "tokenizer*.json",
     "tokenizer.model",
     "special_tokens_map.json",
     "added_tokens.json",
     "vocab.*",
     "merges.txt",
     "spiece.model",
-    "sentencepiece.bpe.model",
+    "*.bpe.model",
     "*.tiktoken",
-    "preprocessor_config.json",
-    "processor_config.json",
-    "image_processor*.json",
-    "video_preprocessor*.json",
-    "chat_template.json",
-    "chat_template.jinja",
-    "*.py",
+    "chat_template.*",
 )
+MODEL_FILE_PATTERNS = CONFIG_FILE_PATTERNS + TOKENIZER_FILE_PATTERNS
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json")
 
 
-def write_output_config(out_dir: str | os.PathLike, weights: Iterable[TensorInfo]) -> str | None:
+def write_output_config(
+    out_dir: str | os.PathLike, weights: Iterable[TensorInfo], *, vocab_size: int | None = None
+) -> str | None:
     """Make ``out_dir/config.json`` state the dtype the weights were written in; return it (None: nothing to do).
 
     The dtype is that of most of the floating-point weights, by element count (of all of them when the output
     was cast to one dtype). It goes in ``torch_dtype`` (read by every transformers version) and in ``dtype``
     where the config has that newer key, so that ``from_pretrained(out, dtype="auto")`` loads the weights as
     written. When all floating weights share the dtype, nested sub-model configs that state a dtype say it
-    too. The file is rewritten only if this changes it; a missing config, or one that is not a JSON object, is
-    left as it is.
+    too. ``vocab_size`` (the rows of the merged token embeddings, given when the vocabulary differs from the
+    config's input) goes in ``vocab_size`` at the top level (unless only a nested ``text_config`` states it, as in
+    vision-language configs) and in ``text_config.vocab_size`` where that exists. The file is rewritten only if this
+    changes it; a missing config, or one that is not a JSON object, is left as it is.
     """
     counts: dict[torch.dtype, int] = {}
     for info in weights:
@@ -67,9 +78,22 @@ def write_output_config(out_dir: str | os.PathLike, weights: Iterable[TensorInfo
     name = str(max(counts, key=counts.__getitem__)).removeprefix("torch.")
     stated = _state_dtype(config, name, nested=len(counts) == 1)
     stated["torch_dtype"] = name
+    if vocab_size is not None:
+        stated = _state_vocab_size(stated, vocab_size)
     if stated != config:
         write_json(path, stated, indent=2)
     return name
+
+
+def _state_vocab_size(config: dict, rows: int) -> dict:
+    """A copy of ``config`` whose ``vocab_size`` (top level, and ``text_config``'s where present) is ``rows``."""
+    stated = dict(config)
+    text = stated.get("text_config")
+    if isinstance(text, dict):
+        stated["text_config"] = {**text, "vocab_size": rows}
+    if "vocab_size" in stated or not isinstance(text, dict):
+        stated["vocab_size"] = rows
+    return stated
 
 
 def _state_dtype(config: dict, name: str, nested: bool) -> dict:
@@ -94,35 +118,65 @@ def model_files(base_dir: str | os.PathLike) -> dict[str, Path]:
     cache ``blobs/``), a dangling link or anything but a regular file raises SourceError naming the link and its
     target. A single-file base has none.
     """
-    base_dir = Path(base_dir)
-    if not base_dir.is_dir():
+    return _matching_files(base_dir, MODEL_FILE_PATTERNS)
+
+
+def config_files(folder: str | os.PathLike) -> dict[str, Path]:
+    """The files of :func:`model_files` that go with the config (``CONFIG_FILE_PATTERNS``: config.json, generation
+    and processor configs, remote code), checked the same way."""
+    return _matching_files(folder, CONFIG_FILE_PATTERNS)
+
+
+def tokenizer_files(folder: str | os.PathLike) -> dict[str, Path]:
+    """The files of :func:`model_files` that go with the tokenizer (``TOKENIZER_FILE_PATTERNS``: tokenizer.json,
+    its config, vocabularies, merges, sentencepiece models, special and added tokens, chat templates), checked the
+    same way."""
+    return _matching_files(folder, TOKENIZER_FILE_PATTERNS)
+
+
+def _matching_files(folder: str | os.PathLike, patterns: tuple[str, ...]) -> dict[str, Path]:
+    folder = Path(folder)
+    if not folder.is_dir():
         return {}
     try:
-        names = sorted(os.listdir(base_dir))
+        names = sorted(os.listdir(folder))
     except OSError as err:
-        raise SourceError(f"{base_dir}: cannot list the folder ({err.strerror or err})") from None
+        raise SourceError(f"{folder}: cannot list the folder ({err.strerror or err})") from None
     files = {}
     for name in names:
-        path = base_dir / name
+        path = folder / name
         if any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS):
             continue
-        if not any(fnmatch.fnmatch(name, p) for p in MODEL_FILE_PATTERNS) or (path.is_dir() and not path.is_symlink()):
+        if not any(fnmatch.fnmatch(name, p) for p in patterns) or (path.is_dir() and not path.is_symlink()):
             continue
-        files[name] = folder_file(path, base_dir)
+        files[name] = folder_file(path, folder)
     return files
 
 
 def copy_model_files(base_dir: str | os.PathLike, out_dir: str | os.PathLike) -> list[str]:
-    """Copy :func:`model_files` of ``base_dir`` into ``out_dir`` as new files; return their names.
+    """Copy :func:`model_files` of ``base_dir`` (its config and tokenizer files) into ``out_dir`` as new files;
+    return their names, sorted.
 
     The copies are created with mode 0644 (less under the umask), whatever the source's mode: no execute,
     setuid or group/other write bit is carried over. A file that has become anything but a regular file since
     it was checked is refused.
     """
-    out_dir = Path(out_dir)
-    files = model_files(base_dir)
+    return _copy_files(base_dir, model_files(base_dir), out_dir)
+
+
+def copy_config_files(folder: str | os.PathLike, out_dir: str | os.PathLike) -> list[str]:
+    """Copy the :func:`config_files` of ``folder`` into ``out_dir``, as :func:`copy_model_files` does."""
+    return _copy_files(folder, config_files(folder), out_dir)
+
+
+def copy_tokenizer_files(folder: str | os.PathLike, out_dir: str | os.PathLike) -> list[str]:
+    """Copy the :func:`tokenizer_files` of ``folder`` into ``out_dir``, as :func:`copy_model_files` does."""
+    return _copy_files(folder, tokenizer_files(folder), out_dir)
+
+
+def _copy_files(folder: str | os.PathLike, files: dict[str, Path], out_dir: str | os.PathLike) -> list[str]:
     for name, real in files.items():
-        _copy_regular_file(Path(base_dir) / name, real, out_dir / name)
+        _copy_regular_file(Path(folder) / name, real, Path(out_dir) / name)
     return list(files)
 
 

@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import torch
 
+from specmerge.methods.operations import Operations, Shape, numel, passes
 from specmerge.methods.registry import LayerResult, register
 
 TA_CITATION = "Ilharco et al., Editing Models with Task Arithmetic, ICLR 2023"
+
+
+def linear_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
+    """The stack's N passes into the mean or sum, and the scale (when not merged in chunks by the executor)."""
+    return passes(shape[0] + 3, numel(shape[1:]), itemsize) + Operations(workspace=numel(shape[1:]) * itemsize)
 
 
 @register(
@@ -20,6 +26,7 @@ TA_CITATION = "Ilharco et al., Editing Models with Task Arithmetic, ICLR 2023"
     needs_matrix=False,
     linear_coefficient=lambda params, n: params["scale"] / n,
     factored=True,
+    cost=linear_cost,
 )
 def weight_average(task_vectors: torch.Tensor, *, scale: float = 1.0) -> LayerResult:
     """Weight averaging: the mean of the task vectors over all N experts.
@@ -37,6 +44,7 @@ def weight_average(task_vectors: torch.Tensor, *, scale: float = 1.0) -> LayerRe
     needs_matrix=False,
     linear_coefficient=lambda params, n: params["scale"],
     factored=True,
+    cost=linear_cost,
 )
 def task_arithmetic(task_vectors: torch.Tensor, *, scale: float = 0.3) -> LayerResult:
     """Task arithmetic: the sum of the task vectors, scaled by lambda.

@@ -12,6 +12,8 @@ do with it is declared, not guessed from its name or signature:
   of exactly the dense result (:meth:`Method.merge_factored`); ``fn`` takes the real layer shape as
   ``full_shape`` if it needs it;
 - ``seeded``: ``fn`` draws random numbers from ``tensor_name`` and ``expert_keys`` (the caller's context);
+- ``cost``: what merging one tensor costs in operations (:mod:`.operations`), for the dry run's estimate and
+  the progress bar (:mod:`specmerge.pipeline.cost`); a method without one is estimated as a few passes;
 - ``featured``, ``title``, ``settings``: how listings and the accuracy benchmark show it.
 
 Float parameters are finite: NaN is refused everywhere, and +-Inf (also written ``1e400``) too, except
@@ -36,6 +38,7 @@ from pydantic import ConfigDict, Field, ValidationError, create_model
 from specmerge.errors import unknown_name_message
 from specmerge.linalg.lowrank import FactoredResult, LoraDelta, factor_cores
 from specmerge.linalg.precision import compute_dtype
+from specmerge.methods.operations import CostFunction, Operations
 from specmerge.methods.params import SEED_KEYWORDS, Param, parse_docstring, signature_params
 
 LinearCoefficient = Callable[[Mapping[str, Any], int], float]
@@ -91,6 +94,7 @@ class Method:
     settings: tuple[Setting, ...] = ()  # the accuracy benchmark's rows; () = not benchmarked
     fixed: Mapping[str, Any] = field(default_factory=dict)  # keyword arguments always passed, not user-facing
     coefficient: LinearCoefficient | None = None  # (validated params, N) -> c, when the merge is c * sum_i tau_i
+    cost: CostFunction | None = None  # (stack shape, itemsize, validated params) -> Operations of one merge
 
     @property
     def linear(self) -> bool:
@@ -102,6 +106,11 @@ class Method:
         if self.coefficient is None or n == 0:
             return None
         return self.coefficient(self.validate(params), n)
+
+    def operations(self, shape: tuple[int, ...], itemsize: int, params: Mapping[str, Any]) -> Operations | None:
+        """The declared cost of merging a stack of ``shape`` (N x ...) in a compute dtype of ``itemsize`` bytes with
+        ``params`` (the cost function gets them validated, with the ``fixed`` arguments); None when none is declared."""
+        return None if self.cost is None else self.cost(tuple(shape), itemsize, {**self.validate(params), **self.fixed})
 
     def param(self, name: str) -> Param:
         for p in self.params:
@@ -249,6 +258,7 @@ def register(
     featured: bool = True,
     settings: Sequence[Setting] | None = None,
     fixed: Mapping[str, Any] | None = None,
+    cost: CostFunction | None = None,
 ) -> Callable[[Callable[..., LayerResult]], Method]:
     """Decorator: add a method to the registry and return its :class:`Method` (call that, not the raw function).
 
@@ -263,7 +273,7 @@ def register(
         params, context = signature_params(name, fn, dict(fixed or {}), {}, helps)
         method = Method(
             name, fn, summary, citation, title or name, needs_matrix, params, context, factored, seeded, featured,
-            None, _settings(settings, name, title or name), dict(fixed or {}), linear_coefficient,
+            None, _settings(settings, name, title or name), dict(fixed or {}), linear_coefficient, cost,
         )  # fmt: skip
         return _add(method)
 
@@ -289,7 +299,7 @@ def register_variant(
     params, context = signature_params(name, of.fn, all_fixed, dict(defaults or {}), helps)
     method = Method(
         name, of.fn, summary, citation or of.citation, title, of.needs_matrix, params, context, of.factored,
-        of.seeded, featured, of.name, _settings(settings, name, title), all_fixed, of.coefficient,
+        of.seeded, featured, of.name, _settings(settings, name, title), all_fixed, of.coefficient, of.cost,
     )  # fmt: skip
     return _add(method)
 

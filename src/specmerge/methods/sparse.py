@@ -16,6 +16,7 @@ import torch
 from pydantic import Field
 
 from specmerge.linalg.topk import KEEP_ALL, fraction_count, keep_mask, top_k_count, top_k_rule
+from specmerge.methods.operations import Operations, Shape, numel, passes
 from specmerge.methods.registry import LayerResult, Setting, register, register_variant
 
 Density = Annotated[float, Field(gt=0, le=1)]
@@ -28,6 +29,34 @@ BREADCRUMBS_CITATION = (
 )
 
 TIES_CHUNK = 2**16  # entries per expert per chunk: the N x chunk working set of a TIES merge stays in cache
+
+
+# ---------------------------------------------------------------------------------------------
+# Costs (:mod:`specmerge.methods.operations`): passes over the N x numel stack, counted from the code below
+
+
+def ties_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
+    """Per expert a top-k selection (keys formed: 6 passes) and, chunk by chunk, the trim, election and disjoint
+    mean (about 21 passes); the merged tensor."""
+    n, x = shape[0], numel(shape[1:])
+    return passes(27 * n + 6, x, itemsize) + Operations(select=n * x, workspace=x * (itemsize + 4))
+
+
+def dare_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
+    """Per expert a random mask (drawn in float32, compared) and the rescaled copy into a second stack; then the
+    sum, or the election and disjoint mean (``combine``)."""
+    n, x = shape[0], numel(shape[1:])
+    combine = 2 * n + 2 if params.get("combine") == "sum" else 15 * n + 6
+    ops = passes(2 * n + combine, x, itemsize) + Operations(workspace=n * x * itemsize)
+    if params.get("drop_rate"):
+        ops = ops + passes(10 * n, x, itemsize) + Operations(random=n * x, workspace=n * x * itemsize + 5 * x)
+    return ops
+
+
+def breadcrumbs_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
+    """Per expert two top-k selections and the band's masks (about 16 passes), the masked stack and its sum."""
+    n, x = shape[0], numel(shape[1:])
+    return passes(16 * n + n + 2, x, itemsize) + Operations(select=2 * n * x, workspace=n * x * (itemsize + 1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,7 +81,12 @@ def disjoint_mean(task_vectors: torch.Tensor, sign: torch.Tensor) -> torch.Tenso
 
 
 @register(
-    "ties", citation=TIES_CITATION, title="TIES", needs_matrix=False, settings=[Setting("ties", "TIES (top 20 %)")]
+    "ties",
+    citation=TIES_CITATION,
+    title="TIES",
+    needs_matrix=False,
+    settings=[Setting("ties", "TIES (top 20 %)")],
+    cost=ties_cost,
 )
 def ties(task_vectors: torch.Tensor, *, density: Density = 0.2, scale: float = 1.0) -> LayerResult:
     """TIES-Merging: trim each task vector to its largest entries, elect a sign per entry, average the agreeing.
@@ -156,6 +190,7 @@ def dare(
     seeded=True,
     fixed={"combine": "sum"},
     settings=[Setting("dare_task_arithmetic", "DARE-TA (p = 0.5)")],
+    cost=dare_cost,
 )
 def dare_task_arithmetic(
     task_vectors: torch.Tensor,
@@ -205,7 +240,9 @@ dare_ties = register_variant(
 # Model Breadcrumbs
 
 
-@register("breadcrumbs", citation=BREADCRUMBS_CITATION, title="Model Breadcrumbs", needs_matrix=False)
+@register(
+    "breadcrumbs", citation=BREADCRUMBS_CITATION, title="Model Breadcrumbs", needs_matrix=False, cost=breadcrumbs_cost
+)
 def breadcrumbs(
     task_vectors: torch.Tensor, *, density: Density = 0.9, beta: DropRate = 0.01, scale: float = 0.3
 ) -> LayerResult:

@@ -17,6 +17,7 @@ from specmerge.linalg.filters import Exponential, Filter, Landweber, PseudoInver
 from specmerge.linalg.quadratic import TauInit
 from specmerge.linalg.solve import spectral_merge
 from specmerge.linalg.spectrum import RankRule, Spectrum, choose_rank
+from specmerge.methods.operations import RANK_RULE_ASSUMPTION, Operations, Shape, rank_rule_kept, spectral_merge_ops
 from specmerge.methods.params import Count, NonNegative, NonNegativeOrInf, Positive, UnitInterval
 from specmerge.methods.registry import LayerResult, Setting, register
 from specmerge.methods.wudi import PAPER_CITATION
@@ -26,12 +27,36 @@ BENCH_RANK_RATIOS = (0.55, 0.65, 0.75, 0.85)
 BENCH_TIMES = (300.0, 800.0, 1300.0, 1800.0)
 
 
+def swudi_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
+    """One spectral merge keeping K = ceil(r d_in) directions."""
+    kept = rank_rules.fixed_ratio_rank(params["rank_ratio"], shape[-1])
+    return spectral_merge_ops(shape, itemsize, kept, params["tau_init"])
+
+
+def swudi_a_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
+    """One spectral merge keeping the K of a rank rule (data-dependent: half the rank bound assumed)."""
+    return spectral_merge_ops(shape, itemsize, rank_rule_kept(shape), params["tau_init"], RANK_RULE_ASSUMPTION)
+
+
+def spectral_filter_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
+    """One spectral merge: every direction (``rank`` all), K = ceil(r d_in), or a rank rule's K (assumed)."""
+    rank, tau_init = params["rank"], params["tau_init"]
+    if rank == "all":
+        return spectral_merge_ops(shape, itemsize, None, tau_init)
+    if rank == "ratio":
+        return spectral_merge_ops(
+            shape, itemsize, rank_rules.fixed_ratio_rank(params["rank_ratio"], shape[-1]), tau_init
+        )
+    return spectral_merge_ops(shape, itemsize, rank_rule_kept(shape), tau_init, RANK_RULE_ASSUMPTION)
+
+
 @register(
     "swudi",
     citation=PAPER_CITATION,
     title="SWUDI",
     factored=True,
     settings=[Setting("swudi", "SWUDI (r, t on val)", grid={"rank_ratio": BENCH_RANK_RATIOS, "t": BENCH_TIMES})],
+    cost=swudi_cost,
 )
 def swudi(
     task_vectors: torch.Tensor,
@@ -67,6 +92,7 @@ def swudi(
         Setting("swudi_a_psqrt", "SWUDI-A (psqrt)", {"rule": "psqrt"}),
         Setting("swudi_a_gd", "SWUDI-A (Gavish–Donoho)", {"rule": "gavish_donoho"}),
     ],
+    cost=swudi_a_cost,
 )
 def swudi_a(
     task_vectors: torch.Tensor,
@@ -107,6 +133,7 @@ def swudi_a(
             {"t": BENCH_TIMES},
         )
     ],
+    cost=spectral_filter_cost,
 )
 def spectral_filter(
     task_vectors: torch.Tensor,

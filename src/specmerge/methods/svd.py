@@ -10,6 +10,7 @@ import torch
 
 from specmerge.linalg.lowrank import singular_value_floor
 from specmerge.linalg.quadratic import nonzero_experts
+from specmerge.methods.operations import Operations, Shape, passes, svd_ops
 from specmerge.methods.registry import LayerResult, register
 
 TSV_CITATION = "Gargiulo et al., Task Singular Vectors: Reducing Task Interference in Model Merging, CVPR 2025"
@@ -52,7 +53,24 @@ def tsv_factors(
     return polar_factor(U_cat), S_cat, polar_factor(V_cat)
 
 
-@register("tsv_m", citation=TSV_CITATION, title="TSV-M", factored=True)
+def tsv_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
+    """The N SVDs of the experts, the polar factors of the concatenated U (d_out x N k) and V (d_in x N k), and
+    the product back; every expert assumed non-zero."""
+    n, d_out, d_in = shape
+    m = n * tsv_rank(d_out, d_in, n)
+    ops = passes(n, d_out * d_in, itemsize) + svd_ops(n, d_out, d_in, itemsize)
+    ops = ops + svd_ops(1, d_out, m, itemsize) + svd_ops(1, d_in, m, itemsize)
+    return ops + Operations(matmul=2.0 * (d_out + d_in) * m * m + 2.0 * d_out * m * d_in)
+
+
+def iso_c_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
+    """The sum of the stack, its SVD, and the flattened spectrum multiplied back (every direction kept)."""
+    n, d_out, d_in = shape
+    ops = passes(n + 1, d_out * d_in, itemsize) + svd_ops(1, d_out, d_in, itemsize)
+    return ops + Operations(matmul=2.0 * d_out * d_in * min(d_out, d_in))
+
+
+@register("tsv_m", citation=TSV_CITATION, title="TSV-M", factored=True, cost=tsv_cost)
 def tsv_m(task_vectors: torch.Tensor, *, scale: float = 1.0, full_shape: tuple[int, int] | None = None) -> LayerResult:
     """TSV-M: low-rank task singular vectors of every expert, decorrelated by orthogonalising U and V.
 
@@ -74,7 +92,7 @@ def tsv_m(task_vectors: torch.Tensor, *, scale: float = 1.0, full_shape: tuple[i
     return LayerResult(scale * merged, {"n_experts": n, "rank_per_task": rank_per_task, "kept_rank": S.numel()})
 
 
-@register("iso_c", citation=ISO_C_CITATION, title="Iso-C", factored=True)
+@register("iso_c", citation=ISO_C_CITATION, title="Iso-C", factored=True, cost=iso_c_cost)
 def iso_c(task_vectors: torch.Tensor, *, scale: float = 1.0, full_shape: tuple[int, int] | None = None) -> LayerResult:
     """Iso-C: the sum of the task vectors with its spectrum flattened to the mean singular value.
 

@@ -39,8 +39,19 @@ from specmerge.linalg.quadratic import (
     normal_equation,
     proxy_equation,
     proxy_loss,
+    proxy_rank,
 )
 from specmerge.linalg.solve import spectral_merge
+from specmerge.methods.operations import (
+    Operations,
+    Shape,
+    adam_step_ops,
+    gradient_ops,
+    normal_equation_ops,
+    passes,
+    spectral_merge_ops,
+    svd_ops,
+)
 from specmerge.methods.params import Count, NonNegative, Positive
 from specmerge.methods.registry import LayerResult, Setting, register, register_variant
 
@@ -53,12 +64,50 @@ PAPER_CITATION = (
 OPTMERGE_CITATION = "Wei et al., OptMerge: low-rank denoised WUDI for (multimodal) LLM merging, 2026"
 
 
+def closed_form_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
+    """One spectral merge inverting every direction (:func:`~specmerge.methods.operations.spectral_merge_ops`)."""
+    assumed = "C resolved by eigh (else a second decomposition, through the SVD of M)"
+    return spectral_merge_ops(shape, itemsize, None, params["tau_init"], assumed)
+
+
+def wudi_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
+    """The normal equation (C formed where the gradient uses it), ``steps`` gradients and optimizer steps, and
+    the loss at both ends; ``gradient="autograd"`` (wudi_reference) instead runs the explicit per-expert loss
+    forward and backward at every step (about three products N x d_out x d_in x d_out)."""
+    n, d_out, d_in = shape
+    x, e, steps = d_out * d_in, itemsize, params["steps"]
+    loss = Operations(matmul=2.0 * n * d_out * d_out * d_in, memory=(3.0 * n * x + 2.0 * n * d_out * d_out) * e)
+    step = adam_step_ops(x, e, params["optimizer"])
+    if params["gradient"] == "autograd":
+        per_step = loss.times(3) + step + Operations(workspace=(3 * n * x + 2 * n * d_out * d_out) * e)
+        return passes(3 * n + 2, x, e) + per_step.times(steps) + loss.times(2)
+    ops = normal_equation_ops(n, d_out, d_in, e)
+    if d_out < d_in <= 2 * n * d_out:  # C formed on the first product with it
+        ops = ops + Operations(matmul=2.0 * n * d_out * d_in * d_in, workspace=d_in * d_in * e)
+    per_step = gradient_ops(n, d_out, d_in, e) + step
+    return ops + passes(n + 1, x, e) + per_step.times(steps) + loss.times(2) + Operations(workspace=4 * x * e)
+
+
+def optmerge_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
+    """The centred (or plain) stack, its N SVDs for the rank-k proxies, D_P, then ``steps`` gradients through the
+    N k x d_in proxy factors and optimizer steps, and the loss at both ends."""
+    n, d_out, d_in = shape
+    x, e, steps = d_out * d_in, itemsize, params["steps"]
+    k = proxy_rank(d_out, d_in, n, params["rank"])
+    ops = passes(4 * n + 2, x, e) + svd_ops(n, d_out, d_in, e)
+    ops = ops + Operations(matmul=2.0 * n * d_out * d_in * k + 2.0 * d_out * n * k * d_in)
+    per_step = gradient_ops(n, d_out, d_in, e, proxy_rank=k) + adam_step_ops(x, e, params["optimizer"])
+    loss = Operations(matmul=2.0 * n * d_out * d_in * k, memory=3.0 * n * x * e)
+    return ops + passes(n + 1, x, e) + per_step.times(steps) + loss.times(2) + Operations(workspace=4 * x * e)
+
+
 @register(
     "closed_form",
     citation=PAPER_CITATION,
     title="D C⁺ (closed form)",
     factored=True,
     settings=[Setting("closed_form", "D C⁺ (closed form)")],
+    cost=closed_form_cost,
 )
 def closed_form(
     task_vectors: torch.Tensor,
@@ -82,6 +131,7 @@ def closed_form(
     title="WUDI",
     fixed={"gradient": "normal_equation"},
     settings=[Setting("wudi", "WUDI (Adam, 300 steps)", {"steps": 300})],
+    cost=wudi_cost,
 )
 def wudi(
     task_vectors: torch.Tensor,
@@ -136,6 +186,7 @@ wudi_reference = register_variant(
     title="OptMerge",
     fixed={"centre": True},
     settings=[Setting("optmerge", "OptMerge (300 steps)")],
+    cost=optmerge_cost,
 )
 def optmerge(
     task_vectors: torch.Tensor,

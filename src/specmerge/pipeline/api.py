@@ -21,16 +21,17 @@ from typing import Any
 import torch
 
 from specmerge.errors import RecipeError
-from specmerge.io.model_files import copy_model_files, write_output_config
+from specmerge.io.hub import absolute_spec
+from specmerge.io.model_files import copy_config_files, copy_tokenizer_files, write_output_config
 from specmerge.io.output import atomic_directory, check_output
 from specmerge.io.peft import adapter_config, write_adapter
 from specmerge.io.protocol import TensorInfo
 from specmerge.io.writer import ShardWriter
 from specmerge.methods import get_method
-from specmerge.pipeline.card import model_card
+from specmerge.pipeline.card import card_for
 from specmerge.pipeline.compute import resolve_device
 from specmerge.pipeline.executor import StreamingExecutor
-from specmerge.pipeline.inputs import refuse_output_inside_inputs
+from specmerge.pipeline.inputs import portable_recipe, portable_spec, refuse_output_inside_inputs
 from specmerge.pipeline.jobs import AdapterJob, ComputeOptions, ModelJob
 from specmerge.pipeline.prepare import PreparedMerge, prepare_merge
 from specmerge.pipeline.recipe import DTYPES, Recipe
@@ -62,17 +63,29 @@ def merge(
     see :mod:`specmerge.pipeline.threads`). ``executor`` runs the work items (default:
     :class:`~specmerge.pipeline.executor.StreamingExecutor`).
     """
-    recipe = Recipe.from_dict(
-        {  # absolute paths: the recipe written next to the output must work from anywhere
+    recipe = merge_recipe(base, experts, method=method, params=params, **options)
+    return run_recipe(
+        recipe, output, overwrite=overwrite, progress=progress, fsync=fsync, threads=threads, executor=executor
+    )
+
+
+def merge_recipe(
+    base: str | os.PathLike,
+    experts: Sequence[str | os.PathLike],
+    *,
+    method: str = "swudi_a",
+    params: dict[str, Any] | None = None,
+    **options: Any,
+) -> Recipe:
+    """The validated recipe :func:`merge` runs for these arguments (what ``merge --dry-run`` estimates)."""
+    return Recipe.from_dict(
+        {  # paths made absolute from the current folder; hub ids (org/name@rev, nothing local of that name) kept
             "base": _absolute_path(base, "base"),
             "experts": [_absolute_path(e, f"experts[{i}]") for i, e in enumerate(_path_list(experts))],
             "method": method,
             "params": _params_mapping(params),
             **options,
         }
-    )
-    return run_recipe(
-        recipe, output, overwrite=overwrite, progress=progress, fsync=fsync, threads=threads, executor=executor
     )
 
 
@@ -94,7 +107,7 @@ def _absolute_path(path: Any, what: str) -> str:
         raise RecipeError(f"{what} must be a path (str or os.PathLike), got {type(path).__name__} {path!r}", (what,))
     if not os.fspath(path) or "\0" in os.fspath(path):
         raise RecipeError(f"{what} is not a valid path: {os.fspath(path)!r}", (what,))
-    return os.path.abspath(path)
+    return absolute_spec(os.fspath(path))
 
 
 def _params_mapping(params: Any) -> dict[str, Any]:
@@ -139,7 +152,7 @@ def run_recipe(
         size = summary["bytes"] if recipe.output_format == "model" else None  # goes into a full disk's message
         with atomic_directory(output, overwrite=overwrite, expected_bytes=size) as folder:
             if recipe.output_format == "lora":
-                reports, extra = _write_adapter(prepared, folder, options, executor, progress)
+                reports, extra = _write_adapter(prepared, folder, options, executor, progress, output)
             else:
                 reports, extra = _write_model(prepared, folder, options, executor, progress, fsync)
             report = {
@@ -160,9 +173,10 @@ def run_recipe(
                 **extra,
                 "tensors": [asdict(r) for r in reports],
             }
-            (folder / "recipe.yaml").write_text(recipe.to_yaml())
+            written = portable_recipe(recipe, prepared.inputs, output)  # hub ids pinned, paths relative to output
+            (folder / "recipe.yaml").write_text(written.to_yaml())
             (folder / "report.json").write_text(json.dumps(report, indent=1, default=str))
-            (folder / "README.md").write_text(model_card(recipe, method.citation))
+            (folder / "README.md").write_text(card_for(prepared, written, method.citation))
     return report
 
 
@@ -183,10 +197,16 @@ def _write_model(
         fsync=fsync,
     )
     with writer:  # closes (index, completeness check) on success, aborts on error
-        job = ModelJob(plan, prepared.base, prepared.experts, writer.write, options)
+        job = ModelJob(plan, prepared.base, prepared.experts, writer.write, options, fsync=fsync)
         reports = executor.run(job, progress=progress)
-    copy_model_files(prepared.config_path, folder)
-    write_output_config(folder, [TensorInfo(p.name, p.shape, p.out_dtype) for p in plan])
+    copy_config_files(prepared.config_path, folder)
+    vocabulary = prepared.vocabulary  # the tokenizer: the base's files, an expert's, or the union written
+    if vocabulary is None:
+        copy_tokenizer_files(prepared.base_path, folder)
+    else:
+        vocabulary.write_tokenizer(folder)
+    rows = None if vocabulary is None else vocabulary.rows
+    write_output_config(folder, [TensorInfo(p.name, p.shape, p.out_dtype) for p in plan], vocab_size=rows)
     return reports, {}
 
 
@@ -196,6 +216,7 @@ def _write_adapter(
     options: ComputeOptions,
     executor: Executor,
     progress: bool,
+    output: Path,
 ) -> tuple[list[TensorReport], dict]:
     recipe, plan, experts = prepared.recipe, prepared.plan, prepared.experts
     out_dtype = DTYPES[recipe.dtype] if recipe.dtype != "auto" else experts[0].adapter.dtype
@@ -203,7 +224,9 @@ def _write_adapter(
     reports = executor.run(job, progress=progress)
     factors = job.factors()
     ranks = {name: f.rank for name, f in factors.items()}
-    write_adapter(folder, factors, adapter_config(ranks, base_model=recipe.base, like=experts[0].adapter.config))
+    base = prepared.inputs[0]  # named as in the written recipe: a hub id, or a path relative to the output folder
+    config = adapter_config(ranks, base_model=portable_spec(base, output, pinned=False), like=experts[0].adapter.config)
+    write_adapter(folder, factors, {**config, "revision": base.commit} if base.commit else config)
     extra = {
         "adapter": {
             "modules": len(factors),

@@ -11,7 +11,9 @@ what the method declares and what the experts hold, never by names:
   that declares ``Method.factored``: the exact merge on the factors (``factored``), no d_out x d_in stack;
 - otherwise ``dense``: the N x ... stack (:func:`specmerge.io.task_vectors.task_vector_stack`) and the method.
 
-These functions read no file and write none: the same inputs give the same bits whatever the executor.
+:func:`route` names the route of a plan entry from its experts' kinds alone, before anything is read (the dry
+run and the cost model use it; the functions below follow it). These functions read no file and write none: the
+same inputs give the same bits whatever the executor.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -31,6 +33,16 @@ from specmerge.pipeline.finite import all_finite, check_inputs, refuse_nonfinite
 from specmerge.pipeline.plan import TensorPlan
 
 CHUNK_ELEMENTS = 2**18  # linear merges on the CPU run in chunks this long: every pass stays in cache
+
+Route = Literal["keep_base", "linear", "unchanged", "factored", "sum", "dense"]
+ROUTES: dict[str, str] = {  # what each route does, in words (the dry run prints them)
+    "keep_base": "W_0 copied (cast to the output dtype)",
+    "linear": "W_0 + c * sum_i tau_i in cache-sized chunks, row block by row block",
+    "unchanged": "no expert changes it: W_0 copied",
+    "factored": "exact merge on the LoRA factors, no d_out x d_in stack",
+    "sum": "average as a running sum (two buffers)",
+    "dense": "N x ... stack of task vectors, then the method",
+}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -55,6 +67,28 @@ def linear_coefficient(entry: TensorPlan, n: int) -> float | None:
     return None
 
 
+def route(entry: TensorPlan, kinds: Sequence[str], device: torch.device, *, chunked: bool = True) -> Route:
+    """How an ``average`` or ``merge`` entry (or ``keep_base``) is computed, from the kinds of its experts' task
+    vectors (``dense``, ``low_rank`` or ``zero``, :mod:`specmerge.io.task_vectors`), in expert order.
+
+    ``linear`` (:func:`linear_merge`) for a linear merge of full checkpoints on the CPU, unless ``chunked`` is
+    False (:func:`merged_delta` alone does not chunk); ``unchanged`` when no expert changes the tensor;
+    ``factored`` when every value is low-rank or zero, on a 2-D weight, with an average or a method that
+    declares an exact factored form; else ``sum`` for an average and ``dense`` (the stack and the method).
+    """
+    if entry.action == "keep_base":
+        return "keep_base"
+    dense = [kind == "dense" for kind in kinds]
+    if chunked and all(dense) and device.type == "cpu" and linear_coefficient(entry, len(kinds)) is not None:
+        return "linear"
+    if all(kind == "zero" for kind in kinds):
+        return "unchanged"
+    method = get_method(entry.method) if entry.action == "merge" else None
+    if not any(dense) and len(entry.shape) == 2 and (method is None or method.factored):
+        return "factored"
+    return "sum" if method is None else "dense"
+
+
 def merged_delta(
     entry: TensorPlan,
     base_c: torch.Tensor | None,
@@ -77,7 +111,8 @@ def merged_delta(
     elementwise methods and averages do not depend on the orientation and see the stored layout.
     """
     n = len(values)
-    if all(value.kind == "zero" for value in values):
+    which = route(entry, [value.kind for value in values], device, chunked=False)
+    if which == "unchanged":
         return None, {"route": "unchanged"}
     method = get_method(entry.method) if entry.action == "merge" else None
     if entry.transposed and method is not None and method.needs_matrix:
@@ -92,8 +127,7 @@ def merged_delta(
         )
         return transpose_result(delta), {**diagnostics, "layout": CONV1D_LAYOUT}
     shape = entry.shape if base_c is None else tuple(base_c.shape)
-    low_rank = all(value.kind != "dense" for value in values)
-    if low_rank and len(shape) == 2 and (method is None or method.factored):
+    if which == "factored":
         check_inputs(entry, None, values)  # the factors: small; the base is checked by the caller
         deltas = low_rank_deltas(values, dtype=compute_dtype, device=device)
         if method is None:  # average: s / N * sum_i s_i B_i A_i, as one pair of concatenated factors
@@ -135,8 +169,8 @@ def merge_tensor(
     if entry.action == "keep_base":
         check_inputs(entry, base_tensor, ())
         return base_tensor.to(entry.out_dtype), {}
-    coefficient = linear_coefficient(entry, len(values))
-    if coefficient is not None and device.type == "cpu" and all(value.kind == "dense" for value in values):
+    if route(entry, [value.kind for value in values], device) == "linear":
+        coefficient = linear_coefficient(entry, len(values))
         return linear_merge(entry, base_tensor, [value.weight for value in values], coefficient, compute_dtype)
     base_c = base_tensor.to(device=device, dtype=compute_dtype)
     check_inputs(entry, base_c, ())  # merged_delta checks the experts

@@ -4,7 +4,8 @@ For every work item of a job (:mod:`specmerge.pipeline.work`) in plan order: its
 thread one item ahead, it is computed on the calling thread (torch's compute threads), and its output is
 delivered on a writer thread one item behind, so disk and compute overlap and at most one result waits to be
 written. Peak memory is about two sets of inputs of the largest item plus its compute's workspace, never a
-model. A progress bar shows the job's progress (bytes written, or tensors).
+model. A progress bar shows the job's progress (:class:`~specmerge.pipeline.work.Progress`: each item advances it by
+its estimated seconds), the time elapsed and left, and the tensors finished.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from specmerge.pipeline.work import Job, ReportAccumulator, TensorReport
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]"  # no units: weights are estimates
 
 
 def prefetched(items: Sequence[T], read: Callable[[T], R]) -> Iterator[tuple[T, R]]:
@@ -49,13 +52,19 @@ class StreamingExecutor:
         tensors = len({item.name for item in job.items})
         done = 0
         writing: Future | None = None
-        spec = job.progress
-        scale = {"unit_scale": True, "unit_divisor": 1024} if spec.scale else {}
+        spec = job.progress if progress else None  # estimating may probe the machine: only for a bar
+        weights = spec.weights if spec is not None else (0.0,) * len(job.items)
         with (
-            tqdm(total=spec.total, unit=spec.unit, desc=spec.desc, disable=not progress, **scale) as bar,
+            tqdm(
+                total=spec.total if spec is not None else 0,
+                desc=spec.desc if spec is not None else "",
+                bar_format=BAR_FORMAT,
+                smoothing=0,  # the rate over the whole run: with estimated weights it is steady
+                disable=not progress,
+            ) as bar,
             ThreadPoolExecutor(1, thread_name_prefix="specmerge-write", initializer=io_thread_setup) as writer,
         ):
-            for item, inputs in prefetched(job.items, job.read):
+            for k, (item, inputs) in enumerate(prefetched(job.items, job.read)):
                 start = time.perf_counter()
                 outcome = job.compute(item, inputs)
                 seconds = time.perf_counter() - start
@@ -66,7 +75,7 @@ class StreamingExecutor:
                 reports.add(item, seconds, outcome.diagnostics)
                 done += item.completes
                 bar.set_postfix_str(f"{done}/{tensors} tensors", refresh=False)
-                bar.update(outcome.progress)
+                bar.update(weights[k])
                 del outcome
             if writing is not None:
                 writing.result()

@@ -10,7 +10,7 @@ A NaN or Inf in an input is reported naming the files that hold it
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +21,7 @@ from specmerge.io.experts import Expert
 from specmerge.io.protocol import TensorSource
 from specmerge.linalg.lowrank import AdapterFactors
 from specmerge.pipeline.compute import merge_adapter_tensor, merge_tensor
+from specmerge.pipeline.cost import ItemCost, estimate_items
 from specmerge.pipeline.finite import NonFiniteInput, locate_nonfinite
 from specmerge.pipeline.plan import TensorPlan
 from specmerge.pipeline.work import Inputs, Outcome, Progress, WorkItem, read_inputs, work_items
@@ -38,7 +39,8 @@ class ComputeOptions:
 
 class ModelJob:
     """A merged model: every planned tensor of the base, row-blocked where the work is row by row, merged and
-    handed to ``write(name, tensor, row_start=...)`` (``row_start`` None for a whole tensor)."""
+    handed to ``write(name, tensor, row_start=...)`` (``row_start`` None for a whole tensor). ``fsync``: whether the
+    writer flushes to disk (the estimate counts the disk's write rate then)."""
 
     def __init__(
         self,
@@ -49,11 +51,24 @@ class ModelJob:
         options: ComputeOptions,
         *,
         block_bytes: int | None = None,
+        fsync: bool = True,
     ) -> None:
         self.base, self.experts, self.write, self.options = base, list(experts), write, options
         self.items = work_items(plan, options.compute_dtype.itemsize, block_bytes)
-        total = sum(math.prod(entry.shape) * entry.out_dtype.itemsize for entry in plan)
-        self.progress = Progress(total, unit="B", desc="merging", scale=True)
+        self.fsync = fsync
+
+    def costs(self, *, probe: bool = True) -> list[ItemCost]:
+        """The cost model's estimate of every item, in order (:func:`~specmerge.pipeline.cost.estimate_items`)."""
+        o = self.options
+        return estimate_items(
+            self.items, self.base, self.experts, device=o.device, compute_dtype=o.compute_dtype,
+            expert_keys=o.expert_keys, fsync=self.fsync, probe=probe,
+        )[0]  # fmt: skip
+
+    @functools.cached_property
+    def progress(self) -> Progress:
+        """Each item weighted by its estimated seconds."""
+        return Progress(tuple(cost.seconds for cost in self.costs()), desc="merging")
 
     def read(self, item: WorkItem) -> Inputs:
         return read_inputs(item, self.base, self.experts)
@@ -71,7 +86,7 @@ class ModelJob:
             )
         except NonFiniteInput as err:
             raise locate_nonfinite(item.entry, self.base, self.experts, err) from None
-        return Outcome(merged, diagnostics, merged.numel() * merged.dtype.itemsize)
+        return Outcome(merged, diagnostics)
 
     def deliver(self, item: WorkItem, output: Any) -> None:
         self.write(item.name, output, row_start=item.row_start)
@@ -94,8 +109,20 @@ class AdapterJob:
         self.experts, self.options, self.max_rank, self.out_dtype = list(experts), options, max_rank, out_dtype
         changed = [e for e in plan if e.action != "keep_base" and any(x.changes(e.name) for x in self.experts)]
         self.items = [WorkItem(entry) for entry in changed]
-        self.progress = Progress(len(self.items), unit="tensor", desc="merging adapters")
         self._factors: dict[str, AdapterFactors] = {}
+
+    def costs(self, *, probe: bool = True) -> list[ItemCost]:
+        """The cost model's estimate of every item (the base is not read; the factors are written at the end)."""
+        o = self.options
+        return estimate_items(
+            self.items, None, self.experts, device=o.device, compute_dtype=o.compute_dtype,
+            expert_keys=o.expert_keys, write_output=False, probe=probe,
+        )[0]  # fmt: skip
+
+    @functools.cached_property
+    def progress(self) -> Progress:
+        """Each item weighted by its estimated seconds."""
+        return Progress(tuple(cost.seconds for cost in self.costs()), desc="merging adapters")
 
     def read(self, item: WorkItem) -> Inputs:
         return read_inputs(item, None, self.experts)

@@ -26,6 +26,11 @@ Averaged entries carry ``params = {"scale": s}``: s is the recipe method's ``sca
 Output dtype: the base tensor's dtype when ``recipe.dtype`` is ``auto``, else the recipe's dtype for
 floating tensors; non-floating tensors keep theirs.
 
+Own modules of experts (tensors some experts hold and the base lacks: a vision tower, a task head), which the
+aligned base serves (:mod:`specmerge.pipeline.align`), are ``keep_base`` with their reason (``own module of
+expert 'a'``), before any override: they have no base to merge with, and the experts that lack them are never
+read for them.
+
 Every base tensor that is merged or averaged must exist in every expert with the same shape (dtypes
 may differ: bf16 and fp32 experts mix fine); ``keep_base`` tensors are not read from the experts, so a
 resized vocabulary can be kept from the base with an override. A tensor that an expert has and the base
@@ -130,11 +135,15 @@ def make_plan(
     experts: Sequence[Mapping[str, TensorInfoLike]],
     expert_paths: Sequence[str],
     transposed: Collection[str] = (),
+    own: Mapping[str, str] | None = None,
 ) -> list[TensorPlan]:
     """One :class:`TensorPlan` per base tensor, in the base's order; checks the experts fit the base.
 
     ``transposed`` names the 2-D weights stored (in, out) (:func:`specmerge.io.layout.transposed_weights`).
+    ``own`` maps the tensors of the experts' own modules that ``base`` serves (:mod:`specmerge.pipeline.align`)
+    to their reason: they are kept as read, whatever the overrides say, and no expert is checked for them.
     """
+    own = own or {}
     if len(experts) != len(expert_paths):
         raise PlanError(f"make_plan got {len(experts)} experts but {len(expert_paths)} expert paths")
     method = get_method(recipe.method)
@@ -144,6 +153,10 @@ def make_plan(
     problems: list[str] = []
     for name, info in base.items():
         shape = tuple(int(d) for d in info.shape)
+        if name in own:
+            out_dtype = DTYPES[recipe.dtype] if recipe.dtype != "auto" and info.dtype.is_floating_point else info.dtype
+            plan.append(TensorPlan(name, shape, out_dtype, "keep_base", None, {}, own[name]))
+            continue
         entry = _plan_tensor(name, shape, info.dtype, method, recipe, average_params, used)
         if name in transposed:
             entry = dataclasses.replace(entry, transposed=True)
@@ -160,17 +173,28 @@ def make_plan(
     if problems:
         more = f" (and {len(problems) - 1} more such problems)" if len(problems) > 1 else ""
         raise PlanError(problems[0] + more)
+    shared = {name: info for name, info in base.items() if name not in own}
     for i, matched in enumerate(used):
         if not matched:
-            _unused_override(i, recipe.overrides, base)
+            _unused_override(i, recipe.overrides, shared, own)
     return plan
 
 
-def _unused_override(index: int, overrides: Sequence[Any], base: Mapping[str, TensorInfoLike]) -> None:
-    """Raise for an override that no tensor gets: it matches none, earlier overrides take all it matches,
-    or it matches only tensors that are not floating point (always kept) and asks for something else."""
+def _unused_override(
+    index: int, overrides: Sequence[Any], base: Mapping[str, TensorInfoLike], own: Collection[str] = ()
+) -> None:
+    """Raise for an override that no tensor gets: it matches none, or only own modules of experts (never merged),
+    earlier overrides take all it matches, or it matches only tensors that are not floating point (always kept)
+    and asks for something else."""
     override = overrides[index]
     names = [name for name in base if fnmatch.fnmatchcase(name, override.pattern)]
+    own_match = next((name for name in own if fnmatch.fnmatchcase(name, override.pattern)), None)
+    if not names and own_match is not None:
+        raise PlanError(
+            f"override '{override.pattern}' matches only own modules of experts (e.g. '{own_match}'), which are "
+            "taken from the experts that hold them, not merged: choose their source with modules: "
+            "{pattern: expert} (or drop), and remove the override"
+        )
     if not names:
         example = closest_name(override.pattern, list(base), cutoff=0)
         hint = f" (names look like '{example}')" if example else ""

@@ -14,10 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from specmerge.io.experts import Expert
+from specmerge.io.hub import InputResolution
 from specmerge.io.layout import transposed_weights
-from specmerge.io.model_files import model_files
+from specmerge.io.model_files import config_files, tokenizer_files
 from specmerge.io.protocol import TensorSource
-from specmerge.pipeline.inputs import open_inputs
+from specmerge.io.readme import read_license
+from specmerge.io.vocab import VocabularyPlan
+from specmerge.pipeline.align import align_inputs
+from specmerge.pipeline.inputs import input_notes, open_inputs, resolve_inputs
 from specmerge.pipeline.plan import TensorPlan, check_lora_output, make_plan, summarize
 from specmerge.pipeline.recipe import Recipe
 
@@ -36,18 +40,33 @@ class PreparedMerge:
     expert_paths: list[Path]  # the local expert folders or files, in recipe order
     config_path: Path  # the folder whose config (and processor files) the merged model gets
     notes: dict[str, Any] = field(default_factory=dict)
+    inputs: list[InputResolution] = field(default_factory=list)  # where the base and experts were found, in order
+    vocabulary: VocabularyPlan | None = None  # the output's vocabulary and tokenizer (None: the base's files)
 
 
 def prepare_merge(stack: ExitStack, recipe: Recipe, output: str | Path | None) -> PreparedMerge:
     """Open the inputs of ``recipe`` (closed when ``stack`` closes), check them against each other and ``output``
     (None for a dry run) and make the plan; raises before any tensor data is read."""
-    base_path, expert_paths = Path(recipe.base), [Path(e) for e in recipe.experts]
-    base, experts = open_inputs(stack, recipe.base, recipe.experts, output)
-    config_path = base_path
-    if recipe.output_format == "model":
-        model_files(config_path)  # the files copied at the end, checked before any work
+    resolved = resolve_inputs(recipe.base, recipe.experts)  # hub ids -> their cache snapshots
+    base_path, expert_paths = resolved[0].path, [r.path for r in resolved[1:]]
+    base, experts = open_inputs(stack, recipe.base, recipe.experts, output, resolved)
+    aligned = align_inputs(recipe, base, experts, base_path, expert_paths)  # one set of names, own modules
+    base, experts, config_path = aligned.base, aligned.experts, aligned.config_path
+    if recipe.output_format == "model":  # the files copied at the end, checked before any work
+        config_files(config_path)
+        if aligned.vocabulary is not None and aligned.vocabulary.tokenizer_from is not None:
+            tokenizer_files(aligned.vocabulary.tokenizer_from)
     transposed = transposed_weights(config_path, base.infos(), experts)
-    plan = make_plan(recipe, base.infos(), [e.infos() for e in experts], list(recipe.experts), transposed)
+    plan = make_plan(
+        recipe, base.infos(), [e.infos() for e in experts], list(recipe.experts), transposed, own=aligned.own
+    )
     if recipe.output_format == "lora":
         check_lora_output(recipe, plan, experts)
-    return PreparedMerge(recipe, base, experts, plan, summarize(plan), base_path, expert_paths, config_path)
+    license = read_license(base_path)  # for the model card (a README.md linked out of the folder is refused here)
+    notes = {"inputs": input_notes(recipe, resolved, output), **aligned.notes}
+    if license:
+        notes["license"] = license
+    summary = summarize(plan)
+    return PreparedMerge(
+        recipe, base, experts, plan, summary, base_path, expert_paths, config_path, notes, resolved, aligned.vocabulary
+    )

@@ -26,7 +26,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from specmerge.errors import RecipeError, unknown_name_message
+from specmerge.io.hub import HUB_SPEC, absolute_spec
 from specmerge.methods import all_methods, get_method
+from specmerge.pipeline.input_choice import BASE, CONFIG_SOURCE_HELP, MODULES_HELP, ConfigSource, ModuleSources
+from specmerge.pipeline.tokenizer_source import TOKENIZER_SOURCE_HELP, UNION, TokenizerSource
 from specmerge.pipeline.values import Device, Flag, parse_size
 
 # Output and compute dtypes a recipe may name.
@@ -77,10 +80,10 @@ class Recipe(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    base: str = Field(min_length=1, description="base model: Hugging Face folder or .safetensors file")
+    base: str = Field(min_length=1, description=f"base model: Hugging Face folder, .safetensors file or {HUB_SPEC}")
     experts: list[str] = Field(
         min_length=1,
-        description="fine-tuned experts of the same base: model folders/files or PEFT LoRA adapters",
+        description=f"fine-tuned experts of the same base: model folders/files, PEFT LoRA adapters or {HUB_SPEC}",
     )
     expert_keys: Annotated[list[str] | None, Flag("--expert-key", metavar="NAME")] = Field(
         default=None,
@@ -130,6 +133,9 @@ class Recipe(BaseModel):
         ge=1,
         description="lora output: truncate each module to this rank (SVD; the discarded energy is reported)",
     )
+    config_source: ConfigSource = Field(default=BASE, description=CONFIG_SOURCE_HELP)
+    modules: ModuleSources = Field(default_factory=dict, validate_default=True, description=MODULES_HELP)
+    tokenizer_source: TokenizerSource = Field(default=UNION, description=TOKENIZER_SOURCE_HELP)
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -328,7 +334,7 @@ def _resolve_paths(data: dict[str, Any], folder: Path) -> dict[str, Any]:
         if not isinstance(value, str) or not value:
             return value
         value = os.path.expanduser(value)
-        return value if os.path.isabs(value) else os.path.normpath(folder / value)
+        return value if os.path.isabs(value) else absolute_spec(value, folder)  # a hub id (nothing there) stays one
 
     data = dict(data)
     if "base" in data:

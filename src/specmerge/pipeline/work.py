@@ -94,26 +94,30 @@ def read_inputs(item: WorkItem, base: TensorSource | None, experts: Sequence[Exp
 
 @dataclass
 class Outcome:
-    """What computing one work item gives: its output for the sink, diagnostics, and its progress (units of
-    the job's :class:`Progress`)."""
+    """What computing one work item gives: its output for the sink, and diagnostics."""
 
     output: Any
     diagnostics: dict[str, Any]
-    progress: int = 1
 
 
 @dataclass(frozen=True)
 class Progress:
-    """How a job's progress is shown: ``total`` units (``unit``; ``scale``: bytes shown as KiB, MiB, ...)."""
+    """How a job's progress is shown, whatever the executor: finishing ``job.items[k]`` advances the bar by
+    ``weights[k]``, out of their sum. A merge's weights are its items' estimated seconds
+    (:mod:`specmerge.pipeline.cost`), so a spectral layer moves the bar by its share of the time and the time
+    left stays steady; the bar also counts the tensors finished."""
 
-    total: int
-    unit: str = "tensor"
+    weights: tuple[float, ...]
     desc: str = "merging"
-    scale: bool = False
+
+    @property
+    def total(self) -> float:
+        return sum(self.weights)
 
 
 class Job(Protocol):
-    """A merge as work items (see the module docstring): what to read, compute and deliver for each."""
+    """A merge as work items (see the module docstring): what to read, compute and deliver for each, and how its
+    progress is shown (an executor asks for ``progress`` only when it shows a bar: it may cost a calibration)."""
 
     items: Sequence[WorkItem]
     progress: Progress
