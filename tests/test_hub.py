@@ -231,6 +231,21 @@ def test_a_recipe_keeps_an_id_unless_its_folder_holds_that_name(offline, tmp_pat
     assert (recipe.base, recipe.experts) == ("org/base", ["org/math@v1", str(folder / "org" / "code")])
 
 
+def test_a_recipe_run_from_its_parent_folder_says_nothing_of_ids_for_dotted_paths(
+    offline, tmp_path, monkeypatch, caplog
+):
+    """``./org/code`` in a recipe read as ``r.yaml`` from its own folder is a path, never an id: no notice."""
+    from specmerge.pipeline.recipe import load_recipe
+
+    (tmp_path / "org" / "code").mkdir(parents=True)
+    (tmp_path / "r.yaml").write_text("base: ./org/code\nexperts: [org/code]\n")
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("INFO", logger="specmerge.inputs"):
+        recipe = load_recipe("r.yaml")
+    assert recipe.base == str(tmp_path / "org" / "code")
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["org/code"]  # only the id-shaped spec
+
+
 def test_only_the_files_a_merge_reads_are_asked_for():
     listing = [
         ".gitattributes", "README.md", "config.json", "generation_config.json", "model.safetensors.index.json",

@@ -321,7 +321,7 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
         raise RecipeError(f"{path}: the recipe file is empty; it needs at least 'base' and 'experts'")
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of keys (base, experts, ...), got {type(data).__name__}")
-    data = _resolve_paths(data, path.parent)
+    data = _resolve_paths(data, Path(os.path.abspath(path)).parent)  # absolute: a relative path is never an id
     try:
         return Recipe.from_dict(data)
     except RecipeError as err:
