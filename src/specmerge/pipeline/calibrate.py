@@ -238,6 +238,7 @@ class InputReads:
         return nbytes * share / self.cached_rate, nbytes * (1 - share) / self.disk_rate
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     try:
