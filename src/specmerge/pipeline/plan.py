@@ -328,8 +328,8 @@ def _expert_problems(
         elif tuple(int(d) for d in info.shape) != shape:
             problems.append(
                 f"tensor '{name}' has shape {tuple(info.shape)} in expert '{path}' but {shape} in the base: "
-                "experts must be fine-tuned from this base (for a resized vocabulary, an override with "
-                "action keep_base takes the tensor from the base)"
+                "experts must be fine-tuned from this base (an override with action keep_base takes the tensor "
+                "from the base)"
             )
         elif dtype_kind(info.dtype) != dtype_kind(dtype):
             problems.append(
