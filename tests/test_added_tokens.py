@@ -167,6 +167,7 @@ def test_tokenizer_source_an_expert_takes_its_tokenizer_and_rows(family, tmp_pat
     argv = ["merge", str(base), *map(str, experts), "-o", str(again), "-q", "--tokenizer-source", str(tool)]
     assert main([*argv, *[f"--expert-key={k}" for k in KEYS]]) == 0
     assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    assert "tokenizer_source: tool\n" in (again / "recipe.yaml").read_text()  # the key, never the local path
 
 
 def test_keep_base_keeps_the_base_rows_and_averages_the_added_ones(family, tmp_path):

@@ -250,6 +250,12 @@ def test_config_source_and_modules_from_the_command_line(llava_set, tmp_path, ca
     assert json.loads((out / "config.json").read_text())["model_type"] == "llava"
     recipe = (out / "recipe.yaml").read_text()
     assert "config_source: llava0" in recipe and "vision_tower.*: llava0" in recipe
+    # experts named by their paths are written by their keys: no local path in the published recipe
+    by_path = ["--config-source", inputs[1], "--module", f"vision_tower.*={inputs[1]}"]
+    assert main([*argv[:4], "-o", str(tmp_path / "again"), *by_path, *argv[10:]]) == 0, capsys.readouterr().err
+    written = (tmp_path / "again" / "recipe.yaml").read_text()
+    assert "config_source: llava0" in written and "vision_tower.*: llava0" in written
+    assert str(tmp_path) not in written + (tmp_path / "again" / "README.md").read_text()
     capsys.readouterr()
     assert main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)["properties"]

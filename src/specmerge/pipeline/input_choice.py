@@ -39,8 +39,11 @@ def _known(value: str, info: ValidationInfo, what: str, extra: Sequence[str], wh
     experts, keys = info.data.get("experts"), info.data.get("expert_keys")
     if experts is None or keys is None:
         return value  # the experts are invalid; that error is reported
-    if value in extra or input_index(value, experts, keys) is not None:
+    if value in extra:
         return value
+    index = input_index(value, experts, keys)
+    if index is not None:  # an expert named by its path is held by its key: the recipe written stays portable
+        return value if index < 0 else keys[index]
     message = unknown_name_message(what, value, [*extra, *keys])
     raise RecipeError(f"{where}{message} (an expert is named by its expert_keys name or its path)")
 
@@ -50,14 +53,15 @@ def _check_config_source(value: str, info: ValidationInfo) -> str:
 
 
 def _check_modules(value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+    checked = {}
     for pattern, source in value.items():
         if not pattern:
             raise RecipeError("modules: a pattern is empty; give an fnmatch pattern of tensor names", (pattern,))
         try:
-            _known(source, info, "source", [DROP], where=f"modules '{pattern}': ")
+            checked[pattern] = _known(source, info, "source", [DROP], where=f"modules '{pattern}': ")
         except RecipeError as err:
             raise RecipeError(str(err), (pattern,)) from None
-    return value
+    return checked
 
 
 def _none_is_empty(value: Any) -> Any:

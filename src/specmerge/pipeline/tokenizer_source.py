@@ -36,10 +36,10 @@ def _check(value: str, info: ValidationInfo) -> str:
     if experts is None or keys is None:
         return value  # the experts are invalid; that error is reported
     try:
-        tokenizer_index(value, experts, keys)
+        index = tokenizer_index(value, experts, keys)
     except ValueError as err:
         raise RecipeError(f"{err} (an expert is named by its expert_keys name or its path)") from None
-    return value
+    return keys[index] if isinstance(index, int) else value  # an expert by its key: the written recipe is portable
 
 
 TokenizerSource = Annotated[str, AfterValidator(_check), Flag(metavar="SOURCE")]
