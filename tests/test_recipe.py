@@ -98,9 +98,9 @@ def test_wrong_types_name_the_field_and_value():
     assert error(experts="a") == "recipe key 'experts': input should be a valid list (got 'a')"
     assert error(experts=[]).startswith("recipe key 'experts': list should have at least 1 item")
     assert error(merge_embeddings="maybe").startswith("recipe key 'merge_embeddings': input should be a valid boolean")
-    message = error(dtype="fp16")
+    message = error(dtype="fp61")
     assert message.startswith("recipe key 'dtype': input should be 'auto', 'float32', 'float16' or 'bfloat16'")
-    assert "(got 'fp16')" in message
+    assert "(got 'fp61')" in message
     message = error(overrides=[{"pattern": "*.mlp.*", "action": "merg"}])
     assert message.startswith("override '*.mlp.*' key 'action': input should be 'merge', 'average' or 'keep_base'")
     assert error(overrides=[{"action": "average"}]) == "overrides[0] key 'pattern' is required"
@@ -108,7 +108,7 @@ def test_wrong_types_name_the_field_and_value():
         Recipe.from_dict({"experts": ["a"]})
     with pytest.raises(RecipeError, match="a recipe is a mapping"):
         Recipe.from_dict(["a"])
-    assert "and 1 more problem" in error(dtype="fp16", device="gpu")
+    assert "and 1 more problem" in error(dtype="fp61", device="gpu")
 
 
 def test_experts_devices_and_keys_are_checked():

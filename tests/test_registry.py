@@ -91,7 +91,7 @@ def test_validation_errors_name_the_parameter_and_suggest():
     with pytest.raises(ValueError, match="parameter 'rule'"):
         get_method("swudi_a").validate({"rule": "median"})
     with pytest.raises(ValueError, match="did you mean 'swudi_a'"):
-        get_method("swudi-a")
+        get_method("swudi-aa")  # "swudi-a" itself is swudi_a (names as typed)
 
 
 def test_registration_requires_defaults_and_help():

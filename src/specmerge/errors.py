@@ -48,8 +48,9 @@ def closest_name(name: str, known: Sequence[str], *, cutoff: float = 0.6) -> str
     return close[0] if close else None
 
 
-def unknown_name_message(what: str, name: str, known: Sequence[str]) -> str:
-    """The one did-you-mean message: ``unknown <what> '<name>': did you mean '<closest>'? known: a, b, c``."""
-    close = closest_name(name, known)
+def unknown_name_message(what: str, name: str, known: Sequence[str], *, compared: str | None = None) -> str:
+    """The one did-you-mean message: ``unknown <what> '<name>': did you mean '<closest>'? known: a, b, c``;
+    ``compared`` is the form of ``name`` matched against ``known`` (default: ``name`` as typed)."""
+    close = closest_name(name if compared is None else compared, known)
     hint = f"did you mean '{close}'? " if close else ""
     return f"unknown {what} '{name}': {hint}known: {', '.join(sorted(known))}"

@@ -12,11 +12,13 @@ import functools
 import textwrap
 from collections.abc import Callable
 
-from specmerge.cli.fields import add_fields, field_values
+from specmerge.cli.fields import add_fields, field_values, flag_error
 from specmerge.cli.running import plain_warnings
 from specmerge.diagnostics.options import InspectOptions
+from specmerge.errors import RecipeError
 from specmerge.methods import Method, all_methods, get_method
 from specmerge.pipeline.recipe import Recipe
+from specmerge.version import __version__
 
 # Recipe fields the `merge` command does not offer, and why (a recipe file has them: `specmerge run`).
 NOT_ON_COMMAND_LINE = {"overrides": "a list of per-tensor rules (pattern, action, method, params): write a recipe"}
@@ -96,9 +98,13 @@ def merge_command(args: argparse.Namespace) -> int:
 
     paths = field_values(args, Recipe)  # every option given is the recipe's to validate, empty or zero included
     base, experts = paths.pop("base"), paths.pop("experts")
+    try:
+        recipe = api.merge_recipe(base, experts, **paths)
+    except RecipeError as err:
+        raise flag_error(err, Recipe) from None  # the flag typed, not the recipe key it became
     if _dry(args):
-        return _dry_run(api.merge_recipe(base, experts, **paths), args)
-    report = api.merge(base, experts, args.output, **_output_options(args), **paths)
+        return _dry_run(recipe, args)
+    report = api.run_recipe(recipe, args.output, **_output_options(args))
     _print_summary(report, args.output)
     return 0
 
@@ -218,6 +224,7 @@ def _add_model_output(p: argparse.ArgumentParser) -> None:
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     """The ``specmerge`` parser: each subcommand's ``run`` is set as the ``run`` default of its arguments."""
     parser = argparse.ArgumentParser(prog="specmerge", description=description)
+    parser.add_argument("--version", action="version", version=f"specmerge {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("methods", help="list the merge methods, their capabilities and parameters")
     p.add_argument("name", nargs="?", help="show only this method")

@@ -28,6 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from specmerge.errors import RecipeError
 from specmerge.pipeline.values import field_flag, parse_pairs, parse_value
 
 Kind = Literal["switch", "pairs", "list", "text", "value"]
@@ -138,3 +139,14 @@ def _help(field: FieldInfo, kind: Kind) -> str:
         shown = ", ".join(map(str, default)) if isinstance(default, list | tuple) else str(default)
         text += f" (default: {shown})"
     return text.replace("%", "%%")
+
+
+def flag_error(err: RecipeError, model: type[BaseModel]) -> RecipeError:
+    """``err`` about a value given on the command line, naming its flag first (``option --dtype (recipe key
+    'dtype'): ...``, not only the recipe key it became); other errors unchanged."""
+    key = err.loc[0] if err.loc else None
+    field = model.model_fields.get(key) if isinstance(key, str) else None
+    prefix = f"recipe key '{key}'"
+    if field is None or not str(err).startswith(prefix):
+        return err
+    return RecipeError(f"option {field_flag(key, field).name} ({prefix}){str(err)[len(prefix) :]}", err.loc)

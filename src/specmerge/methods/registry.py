@@ -346,9 +346,17 @@ def registered() -> list[Method]:
     return list(_METHODS.values())
 
 
+def canonical_name(name: str) -> str:
+    """A method name as registered: ``SWUDI-A``, ``swudi-a`` and ``Swudi_A`` are all ``swudi_a`` (lower case, ``-``
+    and spaces read as ``_``)."""
+    return "_".join(name.strip().lower().replace("-", "_").split())
+
+
 def lookup(name: str) -> Method:
-    """The method called ``name``; an unknown name raises with a did-you-mean hint."""
-    try:
-        return _METHODS[name]
-    except KeyError:
-        raise ValueError(unknown_name_message("method", name, list(_METHODS))) from None
+    """The method called ``name`` (as typed: case, ``-`` and ``_`` do not matter, :func:`canonical_name`); an
+    unknown name raises with a did-you-mean hint."""
+    method = _METHODS.get(name) or _METHODS.get(canonical_name(name))
+    if method is None:
+        message = unknown_name_message("method", name, list(_METHODS), compared=canonical_name(name))
+        raise ValueError(message) from None
+    return method

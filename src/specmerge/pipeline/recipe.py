@@ -23,14 +23,24 @@ from typing import Annotated, Any, Literal
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from specmerge.errors import RecipeError, unknown_name_message
 from specmerge.io.hub import HUB_SPEC, absolute_spec
 from specmerge.methods import all_methods, get_method
 from specmerge.pipeline.input_choice import BASE, CONFIG_SOURCE_HELP, MODULES_HELP, ConfigSource, ModuleSources
+from specmerge.pipeline.recipe_errors import line_of, recipe_error
 from specmerge.pipeline.tokenizer_source import TOKENIZER_SOURCE_HELP, UNION, TokenizerSource
-from specmerge.pipeline.values import Device, Flag, parse_size
+from specmerge.pipeline.values import Device, Flag, dtype_name, parse_size
 
 # Output and compute dtypes a recipe may name.
 DTYPES: dict[str, torch.dtype] = {
@@ -112,10 +122,10 @@ class Recipe(BaseModel):
     merge_embeddings: bool = Field(
         default=False, description="embeddings and lm_head get the method instead of the non_matrix rule"
     )
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+    dtype: Annotated[Literal["auto", "float32", "float16", "bfloat16"], BeforeValidator(dtype_name)] = Field(
         default="auto", description="output dtype; auto = each tensor's base dtype"
     )
-    compute_dtype: Literal["float32", "float64"] = Field(
+    compute_dtype: Annotated[Literal["float32", "float64"], BeforeValidator(dtype_name)] = Field(
         default="float32", description="dtype of the merge's arithmetic"
     )
     device: Device = Field(default="cpu", description="cpu, cuda, cuda:N or auto (cuda when available)")
@@ -141,7 +151,7 @@ class Recipe(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as err:
-            raise _recipe_error(err, data) from None
+            raise recipe_error(err, data) from None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Recipe:
@@ -224,10 +234,9 @@ class Recipe(BaseModel):
     @classmethod
     def _known_method(cls, name: str) -> str:
         try:
-            get_method(name)
+            return get_method(name).name  # as registered: SWUDI-A is swudi_a
         except ValueError as err:
             raise RecipeError(str(err)) from None
-        return name
 
     @field_validator("params")
     @classmethod
@@ -259,7 +268,8 @@ class Recipe(BaseModel):
                 params = method.validate(given)
             except ValueError as err:
                 raise RecipeError(f"override '{override.pattern}': {err}", (i, "params")) from None
-            completed.append(override.model_copy(update={"params": params}))
+            named = {"method": method.name} if override.method else {}
+            completed.append(override.model_copy(update={"params": params, **named}))
         return completed
 
     @field_validator("shard_size", mode="before")
@@ -325,7 +335,7 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
     try:
         return Recipe.from_dict(data)
     except RecipeError as err:
-        line = _line_of(text, err.loc)
+        line = line_of(text, err.loc)
         raise RecipeError(f"{path}:{line}: {err}" if line else f"{path}: {err}", err.loc) from None
 
 
@@ -342,58 +352,3 @@ def _resolve_paths(data: dict[str, Any], folder: Path) -> dict[str, Any]:
     if isinstance(data.get("experts"), list):
         data["experts"] = [resolve(e) for e in data["experts"]]
     return data
-
-
-def _line_of(text: str, loc: Sequence[str | int]) -> int | None:
-    """The 1-based line of the deepest node of ``loc`` found in the YAML document."""
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return None
-    line = None
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            match = next((kv for kv in node.value if getattr(kv[0], "value", None) == str(part)), None)
-            if match is None:
-                break
-            line, node = match[0].start_mark.line, match[1]
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
-            node = node.value[part]
-            line = node.start_mark.line
-        else:
-            break
-    return None if line is None else line + 1
-
-
-def _recipe_error(err: ValidationError, data: Mapping[str, Any]) -> RecipeError:
-    """One line for the first problem pydantic found (ours carry their own message), and a count of the rest."""
-    errors = err.errors()
-    first = errors[0]
-    loc = tuple(first["loc"])
-    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-    cause = first.get("ctx", {}).get("error")
-    if isinstance(cause, RecipeError):
-        return RecipeError(f"{cause}{more}", loc + cause.loc)
-    where = _where(loc, data)
-    if first["type"] == "missing":
-        return RecipeError(f"{where} is required{more}", loc)
-    message = first["msg"][:1].lower() + first["msg"][1:]
-    return RecipeError(f"{where}: {message} (got {first.get('input')!r}){more}", loc)
-
-
-def _where(loc: tuple[str | int, ...], data: Mapping[str, Any]) -> str:
-    """``recipe key 'experts[1]'`` or ``override '*.mlp.*' key 'action'``."""
-    if len(loc) >= 2 and loc[0] == "overrides" and isinstance(loc[1], int):
-        items = data.get("overrides")
-        item = items[loc[1]] if isinstance(items, list) and loc[1] < len(items) else None
-        pattern = item.get("pattern") if isinstance(item, Mapping) else None
-        name = f"override '{pattern}'" if pattern else f"overrides[{loc[1]}]"
-        return f"{name} key '{_dotted(loc[2:])}'" if len(loc) > 2 else name
-    return f"recipe key '{_dotted(loc)}'"
-
-
-def _dotted(loc: Sequence[str | int]) -> str:
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text

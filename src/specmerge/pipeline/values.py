@@ -41,6 +41,21 @@ def check_device(device: str) -> str:
 
 Device = Annotated[str, AfterValidator(check_device)]
 
+# Dtype spellings people type (mergekit's bf16/fp16, torch's torch.float32) -> the names a recipe holds.
+DTYPE_ALIASES = {
+    "bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16", "fp32": "float32", "f32": "float32",
+    "float": "float32", "fp64": "float64", "f64": "float64", "double": "float64",
+}  # fmt: skip
+
+
+def dtype_name(value: Any) -> Any:
+    """A dtype as typed (``bf16``, ``FP16``, ``torch.float32``) as the name a recipe holds (``bfloat16``, ...); any
+    other value unchanged (the field then says which names it takes)."""
+    if not isinstance(value, str):
+        return value
+    name = value.strip().lower().removeprefix("torch.")
+    return DTYPE_ALIASES.get(name, name)
+
 
 @dataclass(frozen=True)
 class Flag:
