@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from specmerge.io.formats import safetensors_dtype
 from specmerge.io.model_files import copy_model_files
-from specmerge.io.output import OutputError, OutputExistsError, atomic_directory
+from specmerge.io.output import OutputExistsError, atomic_directory
 from specmerge.io.protocol import TensorInfo
 from specmerge.io.sources import open_source
 from specmerge.io.writer import ShardWriter
@@ -228,8 +228,12 @@ def test_atomic_directory_refuses_or_replaces_an_existing_target(tmp_path):
     assert sorted(p.name for p in target.iterdir()) == [".specmerge", "new.txt"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
-    with pytest.raises(OutputError, match=r"parent folder .*missing does not exist"):
-        atomic_directory(tmp_path / "missing" / "out").__enter__()
+    with atomic_directory(tmp_path / "missing" / "out") as work:  # a missing parent is created (issue 16)
+        (work / "new.txt").write_text("new")
+    assert [p.name for p in (tmp_path / "missing" / "out").iterdir()] == [".specmerge", "new.txt"]
+    with pytest.raises(RuntimeError), atomic_directory(tmp_path / "gone" / "deeper" / "out"):
+        raise RuntimeError("failed merge")
+    assert not (tmp_path / "gone").exists()  # and removed when the block fails
 
 
 def test_copy_model_files(tmp_path):

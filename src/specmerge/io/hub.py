@@ -29,6 +29,7 @@ from typing import Any, Literal, TextIO
 
 from specmerge.io.files import link_target
 from specmerge.io.hub_snapshot import HubError, fetch_snapshot
+from specmerge.io.output import OUTPUT_LOG
 
 __all__ = [
     "HUB_SPEC",
@@ -166,24 +167,28 @@ def hub_offline() -> bool:
 
 @contextlib.contextmanager
 def announce_inputs(enabled: bool, stream: TextIO | None = None) -> Iterator[None]:
-    """While the block runs, print each input resolution as ``specmerge: <line>`` on ``stream`` (default: stderr)
-    and let downloads show their progress bars; with ``enabled`` False, neither."""
+    """While the block runs, print each input resolution (and each folder created for the output, logger
+    ``specmerge.output``) as ``specmerge: <line>`` on ``stream`` (default: stderr) and let downloads show their
+    progress bars; with ``enabled`` False, neither."""
     quiet = _QUIET.set(not enabled)
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(logging.Formatter("specmerge: %(message)s"))
     shown: set[str] = set()  # a spec seen twice (made absolute, then resolved) is said once
     handler.addFilter(lambda record: not (record.getMessage() in shown or shown.add(record.getMessage())))
-    saved = LOG.level, LOG.propagate
+    loggers = (LOG, logging.getLogger(OUTPUT_LOG))
+    saved = [(log.level, log.propagate) for log in loggers]
     if enabled:
-        LOG.addHandler(handler)
-        LOG.setLevel(logging.INFO)
-        LOG.propagate = False
+        for log in loggers:
+            log.addHandler(handler)
+            log.setLevel(logging.INFO)
+            log.propagate = False
     try:
         yield
     finally:
-        LOG.removeHandler(handler)
-        LOG.setLevel(saved[0])
-        LOG.propagate = saved[1]
+        for log, (level, propagate) in zip(loggers, saved, strict=True):
+            log.removeHandler(handler)
+            log.setLevel(level)
+            log.propagate = propagate
         _QUIET.reset(quiet)
 
 

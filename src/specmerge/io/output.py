@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -28,6 +29,8 @@ from specmerge.io.work_folders import (
     work_name,
 )
 from specmerge.version import __version__
+
+OUTPUT_LOG = "specmerge.output"  # the folders created for an output are logged here
 
 
 class OutputError(SpecmergeError):
@@ -62,7 +65,8 @@ _LEGACY_INSPECT_FILES = frozenset(
 def check_output(target: str | os.PathLike, overwrite: bool = False) -> Path:
     """Return ``target`` as an absolute path if a new output may be written there; raise :class:`OutputError` if not.
 
-    Its parent folder must exist. The current folder, the home folder and folders holding either are refused.
+    Missing parent folders are allowed (:func:`atomic_directory` creates them); an existing one must be a folder.
+    The current folder, the home folder and folders holding either are refused.
     An existing ``target`` is refused unless ``overwrite``, and even then unless it is an empty folder or
     specmerge's own output holding nothing else (see :func:`foreign_entries`). Call it before any work;
     :func:`atomic_directory` checks again.
@@ -72,7 +76,11 @@ def check_output(target: str | os.PathLike, overwrite: bool = False) -> Path:
     if path == parent:
         raise OutputError(f"cannot write the output to {path}: choose a new folder")
     if not parent.is_dir():
-        raise OutputError(f"cannot write {path}: its parent folder {parent} does not exist; create it first")
+        ancestor = next(folder for folder in parent.parents if os.path.lexists(folder))
+        if os.path.lexists(parent) or not ancestor.is_dir():
+            blocker = parent if os.path.lexists(parent) else ancestor
+            raise OutputError(f"cannot write {path}: {blocker} is not a folder; choose another output path")
+        return path  # the missing parent folders are created when the output is written (atomic_directory)
     if not os.path.lexists(path):
         return path
     real = Path(os.path.realpath(path))  # realpath, not resolve(): a symlink loop must not raise RuntimeError
@@ -182,8 +190,10 @@ def atomic_directory(
 ) -> Iterator[Path]:
     """Yield an empty folder that becomes ``target`` only if the block succeeds.
 
-    ``target`` is checked first (:func:`check_output`). The folder yielded is ``output/`` inside a hidden work
-    folder ``.<name>.specmerge-tmp-<hex>`` beside ``target`` that records the writing process; work folders
+    ``target`` is checked first (:func:`check_output`); missing parent folders are created (each logged on the
+    ``specmerge.output`` logger) and removed again, if still empty, when the block fails. The folder yielded is
+    ``output/`` inside a hidden work folder ``.<name>.specmerge-tmp-<hex>`` beside ``target`` that records the
+    writing process; work folders
     there whose process is gone (killed, crashed, machine rebooted) are removed first, those of live
     processes never (:func:`remove_stale_work_folders`). On success :data:`OUTPUT_MARKER` is added (the files
     written) and the folder is renamed onto ``target``; a replaced target is deleted only once the new folder is
@@ -192,6 +202,16 @@ def atomic_directory(
     space ``expected_bytes`` (the planned output size, when known) needs and how much is free.
     """
     target = check_output(target, overwrite)
+    created = make_parents(target.parent)
+    try:
+        yield from _written_atomically(target, overwrite, expected_bytes)
+    except BaseException:
+        remove_empty_folders(created)
+        raise
+
+
+def _written_atomically(target: Path, overwrite: bool, expected_bytes: int | None) -> Iterator[Path]:
+    """The body of :func:`atomic_directory` once ``target`` is checked and its parent exists."""
     remove_stale_work_folders(target.parent)
     work = target.parent / work_name(target.name)
     try:
@@ -254,3 +274,32 @@ def _size_text(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes} bytes"
+
+
+def make_parents(folder: Path) -> list[Path]:
+    """Create ``folder`` and its missing parents; return those created, outermost first (each logged)."""
+    missing = []
+    while not os.path.lexists(folder):
+        missing.append(folder)
+        folder = folder.parent
+    created = []
+    for path in reversed(missing):
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue  # made meanwhile by another process: not ours to remove
+        except OSError as err:
+            remove_empty_folders(created)
+            raise OutputError(
+                f"cannot create the output's folder {path} ({err.strerror or err}); create it or choose another path"
+            ) from err
+        created.append(path)
+        logging.getLogger(OUTPUT_LOG).info(f"created the folder {path} for the output")
+    return created
+
+
+def remove_empty_folders(folders: list[Path]) -> None:
+    """Remove the ``folders`` (outermost first, as :func:`make_parents` gives them) that are still empty."""
+    for path in reversed(folders):
+        with contextlib.suppress(OSError):
+            path.rmdir()
