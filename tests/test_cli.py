@@ -19,11 +19,11 @@ from specmerge.cli.commands import NOT_ON_COMMAND_LINE, PATHS
 from specmerge.diagnostics.options import InspectOptions
 from specmerge.errors import RecipeError
 from specmerge.pipeline import api
-from specmerge.pipeline.recipe import Recipe
+from specmerge.pipeline.recipe import Override, Recipe
 from specmerge.pipeline.values import option_flag, parse_pairs, parse_value
 
 # Recipe fields `specmerge merge` deliberately does not offer, and why.
-NOT_EXPOSED = {"overrides": "a list of rules (pattern, action, method, params) has no flag form: a recipe file has it"}
+NOT_EXPOSED: dict[str, str] = {}  # every recipe key has a flag (issue 16)
 
 # A value for every exposed field, as typed, and what the model must hold afterwards.
 MERGE_SAMPLES = {
@@ -41,6 +41,10 @@ MERGE_SAMPLES = {
     "max_rank": (["--max-rank", "8"], 8),
     "config_source": (["--config-source", "e2"], "e2"),
     "tokenizer_source": (["--tokenizer-source", "e2"], "e2"),
+    "overrides": (
+        ["--override", "*.mlp.*=keep_base", "--override", "*norm*=average"],
+        [Override(pattern="*.mlp.*", action="keep_base"), Override(pattern="*norm*", action="average")],
+    ),
     "modules": (
         ["--module", "vision_tower.*=e1", "--module", "classifier.*=drop"],
         {"vision_tower.*": "e1", "classifier.*": "drop"},

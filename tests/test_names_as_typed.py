@@ -73,3 +73,37 @@ def test_version(capsys):
         main(["--version"])
     assert stop.value.code == 0
     assert capsys.readouterr().out.strip() == f"specmerge {__version__}"
+
+
+def test_overrides_on_the_command_line(tmp_path, capsys):
+    """``--override PATTERN=RULE``: keep_base, average, merge (the recipe's method) or a method with parameters."""
+    from specmerge.pipeline.values import parse_override
+
+    assert parse_override("*.mlp.*=keep_base") == {"pattern": "*.mlp.*", "action": "keep_base"}
+    assert parse_override("*=merge:scale=0.5") == {"pattern": "*", "action": "merge", "params": {"scale": 0.5}}
+    assert parse_override("a.*=TIES:density=0.3,scale=[1, 2]") == {
+        "pattern": "a.*", "action": "merge", "method": "TIES", "params": {"density": 0.3, "scale": [1, 2]},
+    }  # fmt: skip
+    recipe = Recipe(base="b", experts=["e"], method="swudi_a", overrides=["*.mlp.*=ties:density=0.3", "*norm*=average"])
+    assert (recipe.overrides[0].method, recipe.overrides[0].params["density"]) == ("ties", 0.3)
+    for bad, said in [
+        ("*.mlp.*", "expected PATTERN=RULE"), ("=ties", "expected PATTERN=RULE"),
+        ("*.mlp.*=average:scale=2", "average takes no parameters"), ("*=ties:density", "expects key=value"),
+    ]:  # fmt: skip
+        argv = ["merge", str(tmp_path / "b"), str(tmp_path / "e"), "-o", str(tmp_path / "o"), "--override", bad]
+        assert main(argv) != 0
+        err = capsys.readouterr().err.strip()
+        assert said in err and len(err.splitlines()) == 1, err
+
+
+def test_an_override_typed_is_the_override_of_a_recipe(tmp_path):
+    base, experts = build_family(tmp_path, "llama", n_experts=2)
+    common = [str(base), *map(str, experts), "--threads", "1", "-q", "-m", "swudi_a"]
+    assert main(["merge", *common, "-o", str(tmp_path / "a"), "--override", "*.mlp.*=ties:density=0.3"]) == 0
+    (tmp_path / "r.yaml").write_text(
+        f"base: {base}\nexperts: [{experts[0]}, {experts[1]}]\nmethod: swudi_a\n"
+        "overrides:\n- pattern: '*.mlp.*'\n  method: ties\n  params: {density: 0.3}\n"
+    )
+    assert main(["run", str(tmp_path / "r.yaml"), "-o", str(tmp_path / "b"), "--threads", "1", "-q"]) == 0
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)

@@ -21,7 +21,7 @@ from specmerge.pipeline.recipe import Recipe
 from specmerge.version import __version__
 
 # Recipe fields the `merge` command does not offer, and why (a recipe file has them: `specmerge run`).
-NOT_ON_COMMAND_LINE = {"overrides": "a list of per-tensor rules (pattern, action, method, params): write a recipe"}
+NOT_ON_COMMAND_LINE: dict[str, str] = {}  # every recipe key has a flag (overrides: --override PATTERN=RULE)
 PATHS = ("base", "experts")  # positional arguments of merge and inspect
 
 

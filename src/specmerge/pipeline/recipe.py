@@ -40,7 +40,7 @@ from specmerge.methods import all_methods, get_method
 from specmerge.pipeline.input_choice import BASE, CONFIG_SOURCE_HELP, MODULES_HELP, ConfigSource, ModuleSources
 from specmerge.pipeline.recipe_errors import line_of, recipe_error
 from specmerge.pipeline.tokenizer_source import TOKENIZER_SOURCE_HELP, UNION, TokenizerSource
-from specmerge.pipeline.values import Device, Flag, dtype_name, parse_size
+from specmerge.pipeline.values import Device, Flag, dtype_name, override_shorthands, parse_size
 
 # Output and compute dtypes a recipe may name.
 DTYPES: dict[str, torch.dtype] = {
@@ -109,11 +109,14 @@ class Recipe(BaseModel):
         validate_default=True,
         description="method parameter, read as in a YAML recipe (repeatable; default: the method's defaults)",
     )
-    overrides: list[Override] = Field(
+    overrides: Annotated[
+        list[Override], BeforeValidator(override_shorthands), Flag("--override", metavar="PATTERN=RULE")
+    ] = Field(
         default_factory=list,
         validate_default=True,
         description="per-tensor treatment: pattern (fnmatch glob), action merge / average / keep_base, method, "
-        "params; the first matching pattern wins",
+        "params; the first matching pattern wins (repeatable; on the command line PATTERN=RULE, RULE keep_base, "
+        "average, merge or a method with optional :key=value,..., e.g. '*.mlp.*=ties:density=0.3')",
     )
     non_matrix: Literal["average", "keep_base"] = Field(
         default="average", description="what the tensors the method does not take get"

@@ -112,6 +112,46 @@ def parse_pairs(pairs: Iterable[str], where: str) -> dict[str, Any]:
     return values
 
 
+OVERRIDE_FORM = "PATTERN=RULE (RULE: keep_base, average, merge, or a method with optional :key=value,...)"
+
+
+def parse_override(text: str, where: str = "--override") -> dict[str, Any]:
+    """An override typed as one string, ``PATTERN=RULE``, as the mapping a recipe holds: ``*.mlp.*=keep_base``,
+    ``*.mlp.*=average``, ``*.mlp.*=merge:scale=0.5`` (the recipe's method) or ``*.mlp.*=ties:density=0.3,scale=1``
+    (that method); the pattern is everything before the first ``=``, the values are read as :func:`parse_value`."""
+    pattern, sep, rule = text.partition("=")
+    name, _, params = rule.partition(":")
+    name = name.strip()
+    if not sep or not pattern or not name:
+        raise RecipeError(f"{where} '{text}': expected {OVERRIDE_FORM}, e.g. 'model.layers.*.mlp.*=ties:density=0.3'")
+    if name in ("keep_base", "average"):
+        if params.strip():
+            raise RecipeError(f"{where} '{text}': {name} takes no parameters")
+        return {"pattern": pattern, "action": name}
+    values = parse_pairs(_split_params(params), f"{where} '{text}':") if params.strip() else {}
+    method = {} if name == "merge" else {"method": name}
+    return {"pattern": pattern, "action": "merge", **method, "params": values}
+
+
+def _split_params(text: str) -> list[str]:
+    """``a=1,b=[2,3]`` -> ``["a=1", "b=[2,3]"]``: commas inside brackets or braces stay in their value."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += char in "[{"
+        depth -= char in "]}"
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [*parts, text[start:]]
+
+
+def override_shorthands(value: Any) -> Any:
+    """A recipe's ``overrides`` with each ``PATTERN=RULE`` string (:func:`parse_override`) as its mapping."""
+    if not isinstance(value, list):
+        return value
+    return [parse_override(item, "override") if isinstance(item, str) else item for item in value]
+
+
 def parse_size(value: int | str) -> int:
     """Bytes from an int or a string such as ``"500MB"``, ``"2GB"`` (10**9) or ``"1.5GiB"`` (2**30)."""
     if isinstance(value, bool):
