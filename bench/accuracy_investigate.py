@@ -63,7 +63,7 @@ def main() -> None:
         for task, state in experts.items():
             delta = sum(float((state[n].float() - base[n].float()).pow(2).sum()) for n in base if "encoder" in n)
             norms.setdefault(task, []).append(delta**0.5)
-        deltas = merge_candidates(base, list(experts.values()), SCALE_PROBES + INIT_PROBES, expert_keys=list(experts),
+        deltas = merge_candidates(base, list(experts.values()), SCALE_PROBES + INIT_PROBES,
                                   wudi_steps=[300], progress=False)  # fmt: skip
         wudi = Candidate("wudi_steps", "wudi", {"steps": 300})
         jobs = [(c, s) for c in [*SCALE_PROBES, wudi] for s in BEYOND] + [(c, s) for c in INIT_PROBES for s in SCALES]

@@ -133,7 +133,7 @@ def accuracy_hashes(cache: Path, seed: int) -> dict[str, str]:
     candidates = {c.key: c for row in rows for c in row.candidates}
     plain = [c for c in candidates.values() if c.method != "wudi"]
     steps = sorted({c.params["steps"] for c in candidates.values() if c.method == "wudi"})
-    deltas = merging.merge_candidates(base, experts, plain, expert_keys=[t.name for t in tasks], wudi_steps=steps)
+    deltas = merging.merge_candidates(base, experts, plain, wudi_steps=steps)
     out = {}
     for key, tensors in [*deltas.method.items(), *(("avg:" + k, v) for k, v in deltas.averaged.items())]:
         digest = hashlib.sha256()

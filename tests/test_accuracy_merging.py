@@ -33,7 +33,7 @@ CANDIDATES = [
 
 def test_candidates_equal_merges_from_files(bert, tmp_path):
     base_dir, expert_dirs, base, experts = bert
-    deltas = merge_candidates(base, experts, CANDIDATES, expert_keys=KEYS, progress=False)
+    deltas = merge_candidates(base, experts, CANDIDATES, progress=False)
     for candidate, scale in zip(CANDIDATES, (0.3, 1.0, 0.5, 0.2, 1.0, 0.7, 0.3), strict=True):
         out = tmp_path / candidate.key
         params = {**candidate.params, "scale": scale}

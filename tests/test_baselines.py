@@ -9,7 +9,16 @@ import specmerge
 from specmerge.linalg.topk import keep_mask, top_k_count, top_k_rule
 from specmerge.methods import sparse
 from specmerge.methods.linear import task_arithmetic, weight_average
-from specmerge.methods.sparse import dare, dare_mask, dare_task_arithmetic, dare_ties, disjoint_mean, elect_sign, ties
+from specmerge.methods.sparse import (
+    content_key,
+    dare,
+    dare_mask,
+    dare_task_arithmetic,
+    dare_ties,
+    disjoint_mean,
+    elect_sign,
+    ties,
+)
 from specmerge.methods.svd import iso_c, polar_factor, tsv_factors, tsv_m
 
 D64 = torch.float64
@@ -193,7 +202,9 @@ def test_dare_default_keys_and_mask_independent_of_dtype():
     out64 = dare(tau, 0.5, 0, "w")
     out32 = dare(tau.float(), 0.5, 0, "w")
     assert torch.equal(out64 != 0, out32 != 0)
-    assert torch.equal(out64, dare(tau, 0.5, 0, "w", ["0", "1", "2"]))
+    assert torch.equal(out64, dare(tau, 0.5, 0, "w", [content_key(t) for t in tau]))  # keys from the weights
+    assert torch.equal(dare(tau.flip(0), 0.5, 0, "w"), out64.flip(0))  # an expert's mask follows it, not its place
+    assert not torch.equal(out64 != 0, dare(tau, 0.5, 0, "w", ["0", "1", "2"]) != 0)  # explicit keys seed too
 
 
 def test_dare_with_no_drop_is_task_arithmetic_and_untrimmed_ties():

@@ -22,7 +22,11 @@ ADAPTERS = [  # mismatched ranks, rsLoRA, a rank pattern, different target modul
 ]
 FACTORED = [("swudi_a", {}), ("swudi", {"t": 300.0}), ("closed_form", {}), ("task_arithmetic", {}), ("tsv_m", {}),
             ("iso_c", {}), ("weight_average", {})]  # fmt: skip
-DENSIFIED = [("ties", {}), ("dare_ties", {}), ("wudi", {"steps": 3})]
+DENSIFIED = [
+    ("ties", {}),
+    ("dare_ties", {"drop_rate": 0.0}),
+    ("wudi", {"steps": 3}),
+]  # DARE masks: from each task vector's bits
 
 
 @pytest.fixture(scope="module")

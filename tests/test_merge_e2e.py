@@ -46,7 +46,7 @@ def expected_tensor(row: dict, base: dict, experts: list[dict], params: dict) ->
     if row["action"] == "average":
         delta = stack.mean(dim=0)
     else:
-        delta = get_method(row["method"])(stack, tensor_name=name, expert_keys=KEYS, **params).delta
+        delta = get_method(row["method"])(stack, tensor_name=name, **params).delta  # DARE: seeded by content
     return (b.float() + delta).to(b.dtype)
 
 

@@ -127,6 +127,19 @@ def ties(task_vectors: torch.Tensor, *, density: Density = 0.2, scale: float = 1
 # DARE
 
 
+CONTENT_SAMPLE = 65536  # entries of a task vector (evenly strided) that identify it for its random mask
+
+
+def content_key(task_vector: torch.Tensor) -> str:
+    """What names an expert's task vector of one tensor for its random mask when no key is given: a digest of up
+    to :data:`CONTENT_SAMPLE` of its entries (evenly strided, as float32), so that the mask is a function of the
+    expert's weights, never of its folder name or its place in the list."""
+    flat = task_vector.reshape(-1)
+    step = max(1, flat.numel() // CONTENT_SAMPLE)
+    sample = flat[::step][:CONTENT_SAMPLE].to(device="cpu", dtype=torch.float32).contiguous()
+    return hashlib.blake2b(sample.numpy().tobytes(), digest_size=8).hexdigest()
+
+
 def dare_seed(seed: int, tensor_name: str, expert_key: str) -> int:
     """A 64-bit generator seed that depends on (seed, tensor name, expert key) only."""
     digest = hashlib.blake2b(f"{seed}\0{tensor_name}\0{expert_key}".encode(), digest_size=8).digest()
@@ -162,11 +175,13 @@ def dare(
 ) -> torch.Tensor:
     """Drop each entry of each tau_i with probability drop_rate in [0, 1), rescale the kept ones by 1 / (1 - drop_rate).
 
-    ``expert_keys`` names the experts in stack order (default ``"0", "1", ...``); the mask of an
-    expert depends on its key, not on its position in the stack.
+    ``expert_keys`` names the experts in stack order; by default each expert's task vector names itself
+    (:func:`content_key`). Either way the mask of an expert depends on its key, not on its position in the stack,
+    so a merge is a function of the weights, the recipe and ``seed`` (copies of the experts in renamed folders
+    give the same masks).
     """
     n = task_vectors.shape[0]
-    keys = [str(i) for i in range(n)] if expert_keys is None else list(expert_keys)
+    keys = [content_key(task_vectors[i]) for i in range(n)] if expert_keys is None else list(expert_keys)
     if len(keys) != n:
         raise ValueError(
             f"tensor '{tensor_name or '?'}': got {len(keys)} expert keys for a stack of {n} experts; "

@@ -142,7 +142,7 @@ def run_recipe(
     output = Path(output)
     refuse_output_inside_inputs(output, [recipe.base, *recipe.experts])
     check_output(output, overwrite)  # before any work: parent exists, an existing folder may be replaced
-    options = ComputeOptions(resolve_device(recipe.device), getattr(torch, recipe.compute_dtype), recipe.expert_keys)
+    options = ComputeOptions(resolve_device(recipe.device), getattr(torch, recipe.compute_dtype))  # DARE: content
     started = time.perf_counter()
     method = get_method(recipe.method)
     with ExitStack() as stack:

@@ -53,7 +53,7 @@ def dry_run(
     if output is not None:
         refuse_output_inside_inputs(Path(output), [recipe.base, *recipe.experts])
         check_output(output, overwrite)
-    options = ComputeOptions(resolve_device(recipe.device), getattr(torch, recipe.compute_dtype), recipe.expert_keys)
+    options = ComputeOptions(resolve_device(recipe.device), getattr(torch, recipe.compute_dtype))  # DARE: content
     with ExitStack() as stack:
         chosen = stack.enter_context(merge_threads(threads))
         prepared = prepare_merge(stack, recipe, output)

@@ -98,8 +98,9 @@ class Recipe(BaseModel):
     expert_keys: Annotated[list[str] | None, Flag("--expert-key", metavar="NAME")] = Field(
         default=None,
         validate_default=True,
-        description="names of the experts for seeded methods (DARE), one per expert, in order (repeatable; "
-        "default: each expert path's folder/file name, made unique)",
+        description="names of the experts in reports, config_source, tokenizer_source and modules, one per expert, "
+        "in order (repeatable; default: each expert path's folder/file name, made unique); seeded methods (DARE) "
+        "seed each expert's mask from its weights, never from its name",
     )
     method: Annotated[str, Flag("--method", "-m")] = Field(
         default="swudi_a", description="merge method (see `specmerge methods`)"

@@ -90,7 +90,7 @@ def evaluate_seed(
     needed = {c.key: c for c in missing_candidates(rows, cache)}
     wudi_steps = sorted({c.params["steps"] for c in needed.values() if c.method == "wudi"})  # one run, snapshots
     deltas = merge_candidates(
-        base, list(experts.values()), [c for c in needed.values() if c.method != "wudi"], expert_keys=tasks,
+        base, list(experts.values()), [c for c in needed.values() if c.method != "wudi"],
         wudi_steps=wudi_steps, progress=progress and bool(needed),
     )  # fmt: skip
     merged = [c.key for c in needed.values() if c.method != "wudi"] + (["wudi_steps"] if wudi_steps else [])

@@ -119,11 +119,11 @@ def merge_candidates(
     experts: Sequence[StateDict],
     candidates: Sequence[Candidate],
     *,
-    expert_keys: Sequence[str],
     wudi_steps: Sequence[int] = (),
     progress: bool = True,
 ) -> MergedDeltas:
-    """The deltas of every candidate, and of WUDI at ``wudi_steps`` (candidate label ``wudi_steps``)."""
+    """The deltas of every candidate, and of WUDI at ``wudi_steps`` (candidate label ``wudi_steps``); seeded methods
+    (DARE) draw each expert's mask from its weights, as a merge of the same files does."""
     sweep = [Candidate("wudi_steps", "wudi", {"steps": s}) for s in wudi_steps]
     everything = [*candidates, *sweep]
     plans = _plans(everything, base)
@@ -140,9 +140,7 @@ def merge_candidates(
                     result.averaged[c.key][name] = mean
                 elif action == "merge":
                     start = time.perf_counter()
-                    delta = get_method(c.method)(
-                        stack, tensor_name=name, expert_keys=expert_keys, **{**c.params, "scale": 1.0}
-                    ).delta
+                    delta = get_method(c.method)(stack, tensor_name=name, **{**c.params, "scale": 1.0}).delta
                     result.seconds[c.key] += time.perf_counter() - start
                     result.method[c.key][name] = delta
         if sweep:
