@@ -14,6 +14,9 @@ from specmerge.cli.running import Signalled, stop_on_signals
 
 __all__ = ["build_parser", "describe", "main"]
 
+# Optional dependencies -> the extra that installs them (pyproject.toml), named when one is missing.
+OPTIONAL_EXTRAS = {"transformers": "hf", "tokenizers": "hf", "matplotlib": "plots"}
+
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``specmerge`` with ``argv`` (default: the process's arguments); return the exit status."""
@@ -28,6 +31,15 @@ def main(argv: list[str] | None = None) -> int:
         name = signal.Signals(stop.signum).name
         print(f"specmerge: stopped by {name}; no unfinished output is left behind", file=sys.stderr)
         return 128 + stop.signum
+    except ModuleNotFoundError as err:
+        extra = OPTIONAL_EXTRAS.get((err.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"specmerge: error: this command needs {err.name} (optional): pip install 'specmerge[{extra}]'",
+            file=sys.stderr,
+        )
+        return 2
     except (ValueError, TypeError, OSError) as err:
         print(f"specmerge: error: {err}", file=sys.stderr)
         return 2

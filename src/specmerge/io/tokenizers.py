@@ -24,7 +24,7 @@ from specmerge.io.files import is_plain_file
 from specmerge.io.model_files import copy_config_files, copy_tokenizer_files, tokenizer_files
 from specmerge.io.protocol import SourceError
 
-INSTALL_HINT = "pip install 'specmerge[transformers]'"
+INSTALL_HINT = "pip install 'specmerge[hf]'"
 TOKEN_FLAGS = ("special", "normalized", "lstrip", "rstrip", "single_word")  # what an added token carries
 # Keys transformers writes into tokenizer_config.json from the arguments of the call that loaded the tokenizer,
 # not from the tokenizer: left out of a written tokenizer.
