@@ -55,9 +55,9 @@ def test_other_methods_and_low_rank_items_keep_the_generic_route():
     ties = plan("merge", "ties", {"density": 0.2, "scale": 1.0}, (4, 4), torch.float32)
     assert compute.linear_coefficient(ties, 2) is None
     ta = plan("merge", "task_arithmetic", {"scale": 0.3}, (4, 4), torch.float32)
-    assert compute.linear_coefficient(ta, 2) == 0.3 and compute.linear_coefficient(ta, 0) is None
+    assert compute.linear_coefficient(ta, 2) == (0.3, 0.3) and compute.linear_coefficient(ta, 0) is None
     wa = plan("merge", "weight_average", {"scale": 1.0}, (4, 4), torch.float32)
-    assert compute.linear_coefficient(wa, 4) == 0.25
+    assert compute.linear_coefficient(wa, 4) == (0.25,) * 4
     merged, diagnostics = compute.merge_tensor(
         ta, base, [Dense(torch.ones(4, 4)), Zero((4, 4))], device=torch.device("cpu"), compute_dtype=torch.float32
     )  # an adapter that leaves this tensor alone: the generic route

@@ -12,9 +12,9 @@ from specmerge.methods import Setting, candidate_settings, registry
 from specmerge.methods.params import Positive
 
 DISPLAY_ORDER = [
-    "weight_average", "task_arithmetic", "ties", "dare_task_arithmetic", "dare_ties", "breadcrumbs", "tsv_m",
-    "iso_c", "closed_form", "wudi", "wudi_reference", "optmerge", "optmerge_lora", "swudi", "swudi_a",
-    "spectral_filter",
+    "weight_average", "task_arithmetic", "linear", "slerp", "model_stock", "ties", "dare_task_arithmetic",
+    "dare_linear", "dare_ties", "breadcrumbs", "della", "della_linear", "tsv_m", "iso_c", "closed_form", "wudi",
+    "wudi_reference", "optmerge", "optmerge_lora", "swudi", "swudi_a", "spectral_filter",
 ]  # fmt: skip
 EXPECTED = set(DISPLAY_ORDER)
 
@@ -112,7 +112,9 @@ def test_results_carry_diagnostics_from_the_same_call():
     tau = torch.randn(4, 10, 12)
     for name, method in builtin_methods().items():
         kwargs = {"steps": 3} if "steps" in {p.name for p in method.params} else {}
-        result = method(tau, **kwargs)
+        if method.needs_base:  # slerp: the base and one expert
+            kwargs["base"] = torch.randn(10, 12)
+        result = method(tau[:1] if method.needs_base else tau, **kwargs)
         assert result.delta.shape == (10, 12), name
         assert result.diagnostics["delta_norm"] == pytest.approx(float(result.delta.norm()), rel=1e-6), name
     spectral = get_method("swudi_a")(tau).diagnostics
@@ -141,32 +143,52 @@ def test_display_order_is_the_catalog_order():
 
 def test_capabilities_are_declared():
     methods = builtin_methods()
-    assert {name for name, m in methods.items() if m.linear} == {"weight_average", "task_arithmetic"}
-    assert {name for name, m in methods.items() if m.seeded} == {"dare_task_arithmetic", "dare_ties"}
-    assert {name for name, m in methods.items() if m.factored} == {
-        "weight_average", "task_arithmetic", "tsv_m", "iso_c", "closed_form", "swudi", "swudi_a", "spectral_filter"
+    assert {name for name, m in methods.items() if m.linear} == {"weight_average", "task_arithmetic", "linear"}
+    assert {name for name, m in methods.items() if m.seeded} == {
+        "dare_task_arithmetic", "dare_linear", "dare_ties", "della", "della_linear"
     }  # fmt: skip
-    assert {name for name, m in methods.items() if not m.featured} == {"wudi_reference", "optmerge_lora",
-                                                                       "spectral_filter"}  # fmt: skip
+    assert {name for name, m in methods.items() if m.factored} == {
+        "weight_average", "task_arithmetic", "linear", "tsv_m", "iso_c", "closed_form", "swudi", "swudi_a",
+        "spectral_filter",
+    }  # fmt: skip
+    assert {name for name, m in methods.items() if m.weighting == "any"} == {
+        "weight_average", "task_arithmetic", "linear", "breadcrumbs", "dare_task_arithmetic", "dare_linear",
+        "della_linear",
+    }  # fmt: skip
+    assert {name for name, m in methods.items() if m.weighting == "positive"} == {"ties", "dare_ties", "della"}
+    assert {name for name, m in methods.items() if m.needs_base} == {"slerp"}
+    assert {name for name, m in methods.items() if not m.featured} == {
+        "wudi_reference", "optmerge_lora", "spectral_filter", "dare_linear", "slerp", "linear"
+    }  # fmt: skip
     assert {name: m.variant_of for name, m in methods.items() if m.variant_of} == {
-        "dare_ties": "dare_task_arithmetic", "wudi_reference": "wudi", "optmerge_lora": "optmerge"
+        "dare_ties": "dare_task_arithmetic", "dare_linear": "dare_task_arithmetic", "wudi_reference": "wudi",
+        "optmerge_lora": "optmerge", "della_linear": "della",
     }  # fmt: skip
     for name, m in methods.items():
         assert m.title, name
         if m.variant_of:  # a variant shares its implementation, with declared differences only
-            assert m.fn is methods[m.variant_of].fn and m.fixed != methods[m.variant_of].fixed
+            of = methods[m.variant_of]
+            defaults = {p.name: p.default for p in m.params} != {p.name: p.default for p in of.params}
+            assert m.fn is of.fn and (m.fixed != of.fixed or defaults)
 
 
 def test_linear_coefficient():
-    assert get_method("weight_average").linear_coefficient({}, 4) == 0.25
-    assert get_method("weight_average").linear_coefficient({"scale": "0.5"}, 4) == 0.125  # validated, coerced
-    assert get_method("task_arithmetic").linear_coefficient({}, 4) == 0.3
+    assert get_method("weight_average").linear_coefficient({}, 4) == (0.25,) * 4
+    assert get_method("weight_average").linear_coefficient({"scale": "0.5"}, 4) == (0.125,) * 4  # validated, coerced
+    assert get_method("task_arithmetic").linear_coefficient({}, 4) == (0.3,) * 4
     assert get_method("task_arithmetic").linear_coefficient({}, 0) is None
     assert get_method("ties").linear_coefficient({}, 4) is None
+    # with weights 1, 3: hand-computed
+    assert get_method("weight_average").linear_coefficient({"scale": 2.0}, 2, [1.0, 3.0]) == (0.5, 1.5)
+    assert get_method("task_arithmetic").linear_coefficient({"scale": 0.5}, 2, [1.0, 3.0]) == (0.5, 1.5)
+    assert get_method("linear").linear_coefficient({}, 2, [1.0, 3.0]) == (0.25, 0.75)
+    assert get_method("linear").linear_coefficient({"normalize": False}, 2, [1.0, 3.0]) == (1.0, 3.0)
     tau = torch.randn(3, 5, 4, dtype=torch.float64)
-    for name in ("weight_average", "task_arithmetic"):
-        c = get_method(name).linear_coefficient({"scale": 0.7}, 3)
-        torch.testing.assert_close(get_method(name)(tau, scale=0.7).delta, c * tau.sum(dim=0))
+    for name, params in (("weight_average", {"scale": 0.7}), ("task_arithmetic", {"scale": 0.7}), ("linear", {})):
+        for weights in (None, [0.5, 2.0, -1.0]):
+            c = get_method(name).linear_coefficient(params, 3, weights)
+            expected = sum(c_i * tau_i for c_i, tau_i in zip(c, tau, strict=True))
+            torch.testing.assert_close(get_method(name)(tau, weights=weights, **params).delta, expected)
 
 
 def test_merge_factored_is_only_for_factored_methods():

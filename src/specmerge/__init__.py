@@ -2,6 +2,18 @@
 
 from specmerge.methods import LayerResult, Method, all_methods, get_method, register
 from specmerge.pipeline.api import merge, run_recipe
+from specmerge.pipeline.memory import merge_modules, merge_state_dicts
 from specmerge.version import __version__
 
-__all__ = ["LayerResult", "Method", "__version__", "all_methods", "get_method", "merge", "register", "run_recipe"]
+__all__ = [
+    "LayerResult",
+    "Method",
+    "__version__",
+    "all_methods",
+    "get_method",
+    "merge",
+    "merge_modules",
+    "merge_state_dicts",
+    "register",
+    "run_recipe",
+]

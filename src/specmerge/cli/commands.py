@@ -31,6 +31,10 @@ def capabilities(method: Method) -> list[str]:
     found.append("exact on LoRA cores" if method.factored else "densifies LoRA experts")
     if method.seeded:
         found.append("seeded (random per tensor and expert, reproducible)")
+    if method.weighting:
+        found.append("per-expert weights" + (" (> 0)" if method.weighting == "positive" else ""))
+    if method.needs_base:
+        found.append("merges whole weights with the base's")
     found.append("2-D weights only" if method.needs_matrix else "any tensor shape")
     if method.variant_of:
         found.append(f"variant of {method.variant_of}")

@@ -24,16 +24,22 @@ class MethodSpec:
     params: dict[str, Any]
 
 
-def parse_method_spec(spec: str) -> MethodSpec:
+def parse_method_spec(spec: str, n_experts: int | None = None) -> MethodSpec:
     """Parse and validate ``NAME[:key=value,...]`` against the method's signature (no I/O).
 
     Values are read as a recipe reads them (:func:`specmerge.pipeline.values.parse_pairs`); an unknown
-    method, a malformed pair or a value out of the parameter's bounds raises one line.
+    method, a malformed pair, a value out of the parameter's bounds, a method that cannot take ``n_experts``
+    experts, or one that merges whole weights (slerp: inspect compares merges of task vectors) raises one line.
     """
     name, _, rest = spec.partition(":")
     method = get_method(name.strip())
+    if method.needs_base:
+        raise ValueError(
+            f"method '{method.name}' merges whole weights with the base's; inspect compares merges of task "
+            "vectors: merge with it (specmerge merge) instead"
+        )
     params = parse_pairs(filter(None, (p.strip() for p in rest.split(","))), f"method '{spec}':")
-    method.validate(params)
+    method.validate(params, n_experts)
     return MethodSpec(spec.strip(), method.name, params)
 
 

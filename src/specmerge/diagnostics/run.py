@@ -119,7 +119,7 @@ def inspect_model(
     """
     check_threads(threads)
     opts = InspectOptions(**options)
-    specs = [parse_method_spec(s) for s in opts.methods]
+    specs = [parse_method_spec(s, len(experts)) for s in opts.methods]
     if opts.plots:
         require_matplotlib()
     recipe = Recipe(base=absolute_spec(os.fspath(base)), experts=[absolute_spec(os.fspath(e)) for e in experts])

@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from specmerge.errors import SpecmergeWarning
 from specmerge.io.files import folder_file
 from specmerge.io.formats import ADAPTER_CONFIG, ADAPTER_FILES, PEFT_PREFIX, lora_key
-from specmerge.io.protocol import Closing, SourceError, TensorInfo
+from specmerge.io.protocol import Closing, SourceError, TensorInfo, TensorSource
 from specmerge.io.sources import open_source
 from specmerge.linalg.lowrank import AdapterFactors, LoraDelta
 
@@ -161,37 +161,32 @@ def _pattern_value(patterns: dict, module: str, default):
 
 
 class LoraAdapter(Closing):
-    """A PEFT LoRA adapter folder read lazily, one module at a time."""
+    """A PEFT LoRA adapter read lazily, one module at a time: its config and a source of its factors (which it owns).
 
-    def __init__(self, folder: Path) -> None:
-        self.path = folder
-        config_file = folder / ADAPTER_CONFIG
-        if not os.path.lexists(config_file):
-            raise AdapterError(
-                f"{folder}: no {ADAPTER_CONFIG}; point at a PEFT adapter folder (save_pretrained output)"
-            )
-        self._config_file = folder_file(config_file, folder)  # a file of the folder, not a link elsewhere
+    :func:`open_adapter` reads one from a folder; one held in memory passes its config, a source of its tensors and
+    the names its messages use (``path``; ``config_name``, default ``path / adapter_config.json``)."""
+
+    def __init__(
+        self,
+        path: Path,
+        config: Any,
+        source: TensorSource,
+        *,
+        config_name: str | None = None,
+        config_file: Path | None = None,
+    ) -> None:
+        self.path, self._source, self._config_file = path, source, config_file
+        self.config_name = str(path / ADAPTER_CONFIG) if config_name is None else config_name
         try:
-            self.config = json.loads(config_file.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise AdapterError(f"{config_file}: not valid JSON ({err})") from None
-        except RecursionError:
-            raise AdapterError(f"{config_file}: not valid JSON (nested too deeply)") from None
-        if not isinstance(self.config, dict):
-            raise AdapterError(
-                f"{config_file}: a PEFT adapter config is a JSON object (peft_type, r, lora_alpha, ...), "
-                f"got a {type(self.config).__name__}"
-            )
-        self._check_supported(config_file)
-        self.settings = lora_settings(self.config, str(config_file))
-        weights = next((folder / f for f in ADAPTER_FILES if os.path.lexists(folder / f)), None)
-        if weights is None:
-            raise AdapterError(f"{folder}: no adapter weights ({' or '.join(ADAPTER_FILES)})")
-        folder_file(weights, folder)
-        self._source = open_source(weights)
-        self._modules = self._read_modules()
+            self.config = config_object(config, self.config_name)
+            self._check_supported(self.config_name)
+            self.settings = lora_settings(self.config, self.config_name)
+            self._modules = self._read_modules()
+        except BaseException:
+            source.close()
+            raise
 
-    def _check_supported(self, config_file: Path) -> None:
+    def _check_supported(self, config_file: str) -> None:
         kind = self.config.get("peft_type")
         if kind != "LORA":
             raise AdapterError(f"{config_file}: PEFT type {kind!r} is not supported; specmerge merges LoRA adapters")
@@ -226,7 +221,7 @@ class LoraAdapter(Closing):
             raise AdapterError(f"{self._source.path}: holds no LoRA factors (lora_A / lora_B weights)")
         settings = self.settings
         fan_in_fan_out = settings.fan_in_fan_out
-        config_file = self.path / ADAPTER_CONFIG
+        config_file = self.config_name
         modules = {}
         for module, pair in factors.items():
             if set(pair) != {"A", "B"}:
@@ -304,8 +299,9 @@ class LoraAdapter(Closing):
                 )
 
     def files(self) -> list[Path]:
-        """The real paths (links resolved) of the files the adapter reads: its config and its weights."""
-        return [self._config_file, *self._source.files()]
+        """The real paths (links resolved) of the files the adapter reads: its config and its weights (none for an
+        adapter held in memory)."""
+        return [*([self._config_file] if self._config_file else []), *self._source.files()]
 
     def close(self) -> None:
         self._source.close()
@@ -370,7 +366,34 @@ def is_adapter(path: str | os.PathLike) -> bool:
 
 
 def open_adapter(path: str | os.PathLike) -> LoraAdapter:
+    """The PEFT LoRA adapter saved in folder ``path`` (``save_pretrained``): its config and weights file, both files
+    of the folder (not links out of it)."""
     folder = Path(path)
     if not folder.is_dir():
         raise AdapterError(f"{folder}: not a folder; a PEFT adapter is a folder with {ADAPTER_CONFIG}")
-    return LoraAdapter(folder)
+    config_file = folder / ADAPTER_CONFIG
+    if not os.path.lexists(config_file):
+        raise AdapterError(f"{folder}: no {ADAPTER_CONFIG}; point at a PEFT adapter folder (save_pretrained output)")
+    real_config = folder_file(config_file, folder)  # a file of the folder, not a link elsewhere
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise AdapterError(f"{config_file}: not valid JSON ({err})") from None
+    except RecursionError:
+        raise AdapterError(f"{config_file}: not valid JSON (nested too deeply)") from None
+    config_object(config, str(config_file))  # the config's own errors before the weights'
+    weights = next((folder / f for f in ADAPTER_FILES if os.path.lexists(folder / f)), None)
+    if weights is None:
+        raise AdapterError(f"{folder}: no adapter weights ({' or '.join(ADAPTER_FILES)})")
+    folder_file(weights, folder)
+    return LoraAdapter(folder, config, open_source(weights), config_file=real_config)
+
+
+def config_object(config: Any, name: str) -> dict[str, Any]:
+    """``config`` if it is a JSON object (a dict), else a one-line error naming ``name``."""
+    if not isinstance(config, dict):
+        raise AdapterError(
+            f"{name}: a PEFT adapter config is a JSON object (peft_type, r, lora_alpha, ...), "
+            f"got a {type(config).__name__}"
+        )
+    return config

@@ -1,10 +1,12 @@
-"""Linear merges: the merged delta is c * sum_i tau_i (weight averaging, task arithmetic).
+"""Linear merges: the merged delta is sum_i c_i tau_i (weight averaging, task arithmetic, mergekit's linear).
 
 Being linear in the deltas they are declared so (``linear_coefficient``): the executor merges them row
-block by row block, and LoRA experts exactly on their cores.
+block by row block, and LoRA experts exactly on their cores. All three take per-expert weights w_i.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -12,6 +14,7 @@ from specmerge.methods.operations import Operations, Shape, numel, passes
 from specmerge.methods.registry import LayerResult, register
 
 TA_CITATION = "Ilharco et al., Editing Models with Task Arithmetic, ICLR 2023"
+SOUPS_CITATION = "Wortsman et al., Model Soups, ICML 2022"
 
 
 def linear_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
@@ -19,22 +22,45 @@ def linear_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
     return passes(shape[0] + 3, numel(shape[1:]), itemsize) + Operations(workspace=numel(shape[1:]) * itemsize)
 
 
+def weighted_sum(task_vectors: torch.Tensor, weights: Sequence[float]) -> torch.Tensor:
+    """sum_i w_i tau_i over the stack's first axis (one pass per expert, no N x temporary)."""
+    total = torch.zeros_like(task_vectors[0])
+    for tau_i, w_i in zip(task_vectors, weights, strict=True):
+        total.add_(tau_i, alpha=w_i)
+    return total
+
+
+def weight_sum(weights: Sequence[float], method: str) -> float:
+    """sum_i w_i, refused when it is 0 (a weighted mean divides by it)."""
+    total = float(sum(weights))
+    if total == 0:
+        raise ValueError(f"method '{method}': the expert weights {list(weights)} sum to 0, and the mean divides by it")
+    return total
+
+
 @register(
     "weight_average",
-    citation="Wortsman et al., Model Soups, ICML 2022",
+    citation=SOUPS_CITATION,
     title="Weight average",
     needs_matrix=False,
-    linear_coefficient=lambda params, n: params["scale"] / n,
+    linear_coefficient=lambda params, w: [params["scale"] * x / weight_sum(w, "weight_average") for x in w],
     factored=True,
     cost=linear_cost,
+    weights="any",
 )
-def weight_average(task_vectors: torch.Tensor, *, scale: float = 1.0) -> LayerResult:
-    """Weight averaging: the mean of the task vectors over all N experts.
+def weight_average(
+    task_vectors: torch.Tensor, *, scale: float = 1.0, weights: Sequence[float] | None = None
+) -> LayerResult:
+    """Weight averaging: the mean of the task vectors over all N experts (weighted: sum_i w_i tau_i / sum_i w_i).
 
     Args:
         scale: s in merged = W_0 + s * mean_i tau_i (1 gives the plain average of the experts).
     """
-    return LayerResult(scale * task_vectors.mean(dim=0), {"n_experts": task_vectors.shape[0]})
+    diagnostics = {"n_experts": task_vectors.shape[0]}
+    if weights is None:
+        return LayerResult(scale * task_vectors.mean(dim=0), diagnostics)
+    mean = weighted_sum(task_vectors, weights).div_(weight_sum(weights, "weight_average"))
+    return LayerResult(scale * mean, diagnostics)
 
 
 @register(
@@ -42,14 +68,55 @@ def weight_average(task_vectors: torch.Tensor, *, scale: float = 1.0) -> LayerRe
     citation=TA_CITATION,
     title="Task arithmetic",
     needs_matrix=False,
-    linear_coefficient=lambda params, n: params["scale"],
+    linear_coefficient=lambda params, w: [params["scale"] * x for x in w],
     factored=True,
     cost=linear_cost,
+    weights="any",
 )
-def task_arithmetic(task_vectors: torch.Tensor, *, scale: float = 0.3) -> LayerResult:
-    """Task arithmetic: the sum of the task vectors, scaled by lambda.
+def task_arithmetic(
+    task_vectors: torch.Tensor, *, scale: float = 0.3, weights: Sequence[float] | None = None
+) -> LayerResult:
+    """Task arithmetic: the sum of the task vectors, scaled by lambda (weighted: lambda * sum_i w_i tau_i).
 
     Args:
         scale: lambda in merged = W_0 + lambda * sum_i tau_i (0.3 as in Ilharco et al.).
     """
-    return LayerResult(scale * task_vectors.sum(dim=0), {"n_experts": task_vectors.shape[0]})
+    diagnostics = {"n_experts": task_vectors.shape[0]}
+    if weights is None:
+        return LayerResult(scale * task_vectors.sum(dim=0), diagnostics)
+    return LayerResult(scale * weighted_sum(task_vectors, weights), diagnostics)
+
+
+def _linear_coefficients(params: dict, weights: Sequence[float]) -> list[float]:
+    total = weight_sum(weights, "linear") if params["normalize"] else 1.0
+    return [w / total for w in weights]
+
+
+@register(
+    "linear",
+    citation=SOUPS_CITATION,
+    title="Linear",
+    needs_matrix=False,
+    linear_coefficient=_linear_coefficients,
+    factored=True,
+    cost=linear_cost,
+    weights="any",
+    featured=False,  # without weights the weight average, already in the demo, speed and inspect lists
+    settings=(),
+)
+def linear(
+    task_vectors: torch.Tensor, *, normalize: bool = True, weights: Sequence[float] | None = None
+) -> LayerResult:
+    """Linear (mergekit's name): the weighted average of the experts, W_0 + sum_i w_i tau_i / sum_i w_i.
+
+    With normalize false the weighted sum W_0 + sum_i w_i tau_i (task arithmetic with lambda 1). The base keeps
+    weight 1 either way: mergekit's un-normalized linear, sum_i w_i W_i, also scales the base by sum_i w_i
+    (the two agree when the weights sum to 1). Give the base as an expert too (its task vector is 0) to weigh
+    it in the average. Without weights every expert weighs 1: the plain average (or sum).
+
+    Args:
+        normalize: divide by the sum of the weights (a weighted average); false: the weighted sum.
+    """
+    w = (1.0,) * task_vectors.shape[0] if weights is None else weights
+    delta = weighted_sum(task_vectors, _linear_coefficients({"normalize": normalize}, w))
+    return LayerResult(delta, {"n_experts": task_vectors.shape[0]})

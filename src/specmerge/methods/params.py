@@ -8,6 +8,7 @@ the caller supplies (:data:`CONTEXT_KEYWORDS`) are not parameters.
 from __future__ import annotations
 
 import inspect
+import math
 import re
 import types
 import typing
@@ -25,7 +26,9 @@ Count = Annotated[int, Field(ge=0)]
 NonNegativeOrInf = Annotated[float, Field(ge=0, allow_inf_nan=True)]  # +inf means "no limit"; NaN is refused
 
 SEED_KEYWORDS = frozenset({"tensor_name", "expert_keys"})  # context a seeded method receives
-CONTEXT_KEYWORDS = SEED_KEYWORDS | {"full_shape"}  # keyword arguments the caller supplies, never the user
+# keyword arguments the caller supplies, never the user: the seed context, the layer's real shape (factored
+# methods), the per-expert weights (weighted methods) and the base tensor W_0 (methods of whole weights, slerp)
+CONTEXT_KEYWORDS = SEED_KEYWORDS | {"full_shape", "weights", "base"}
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,16 @@ def signature_params(
             raise TypeError(f"method '{name}': parameter '{p.name}' has no help text in the docstring")
         params.append(Param(p.name, hints[p.name], default, helps[p.name]))
     return tuple(params), frozenset(CONTEXT_KEYWORDS & signature.keys())
+
+
+def is_nan(value: Any) -> bool:
+    """Whether ``value`` is NaN or a string that reads as NaN ("nan", "NaN")."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return False
+    return isinstance(value, float) and math.isnan(value)
 
 
 def parse_docstring(fn: Callable) -> tuple[str, dict[str, str]]:

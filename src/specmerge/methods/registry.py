@@ -6,12 +6,16 @@ is the ``N x ...`` stack of expert deltas for one tensor. :func:`register` turns
 from the signature, help text from the ``Args:`` section of the docstring), and what the caller may
 do with it is declared, not guessed from its name or signature:
 
-- ``linear_coefficient``: the merged delta is c * sum_i tau_i, so it is the same function of every
+- ``linear_coefficient``: the merged delta is sum_i c_i tau_i, so it is the same function of every
   row (the executor merges such tensors in row blocks, or as concatenated LoRA factors);
+- ``weights``: ``fn`` takes per-expert weights (``weights``, one float per expert, or None for none given):
+  ``"any"`` finite weights, ``"positive"`` (methods that elect signs); other methods refuse weights;
 - ``factored``: ``fn`` run on the small cores T_i of LoRA experts tau_i = P T_i R^T returns the core
   of exactly the dense result (:meth:`Method.merge_factored`); ``fn`` takes the real layer shape as
   ``full_shape`` if it needs it;
 - ``seeded``: ``fn`` draws random numbers from ``tensor_name`` and ``expert_keys`` (the caller's context);
+- a ``base`` keyword: ``fn`` needs the base tensor W_0 itself (it merges whole weights, as slerp does): never
+  factored, and the caller passes it;
 - ``cost``: what merging one tensor costs in operations (:mod:`.operations`), for the dry run's estimate and
   the progress bar (:mod:`specmerge.pipeline.cost`); a method without one is estimated as a few passes;
 - ``featured``, ``title``, ``settings``: how listings and the accuracy benchmark show it.
@@ -26,11 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import ConfigDict, Field, ValidationError, create_model
@@ -39,9 +42,13 @@ from specmerge.errors import unknown_name_message
 from specmerge.linalg.lowrank import FactoredResult, LoraDelta, factor_cores
 from specmerge.linalg.precision import compute_dtype
 from specmerge.methods.operations import CostFunction, Operations
-from specmerge.methods.params import SEED_KEYWORDS, Param, parse_docstring, signature_params
+from specmerge.methods.params import SEED_KEYWORDS, Param, is_nan, parse_docstring, signature_params
+from specmerge.methods.settings import Setting  # re-exported: methods import it from here
 
-LinearCoefficient = Callable[[Mapping[str, Any], int], float]
+# (validated params, per-expert weights: all 1.0 when none are given) -> c_i in merged delta = sum_i c_i tau_i
+LinearCoefficient = Callable[[Mapping[str, Any], tuple[float, ...]], Sequence[float]]
+Weighting = Literal["any", "positive"]
+InputCheck = Callable[[dict[str, Any], int | None], None]
 
 
 @dataclass
@@ -53,26 +60,6 @@ class LayerResult:
 
     def __post_init__(self) -> None:
         self.diagnostics.setdefault("delta_norm", float(torch.linalg.vector_norm(self.delta)))
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One row of the accuracy benchmark for a method: fixed ``params``, and a ``grid`` swept on validation data.
-
-    The row's candidates are every combination of the grid's values (first key outermost), each with
-    ``params``; the benchmark reports the best on validation data. ``label`` names the row in result files.
-    """
-
-    label: str
-    title: str
-    params: Mapping[str, Any] = field(default_factory=dict)
-    grid: Mapping[str, Sequence[Any]] = field(default_factory=dict)
-
-    def candidates(self) -> tuple[dict[str, Any], ...]:
-        """The parameter sets of this row, in grid order."""
-        keys = list(self.grid)
-        combos = itertools.product(*self.grid.values())
-        return tuple({**self.params, **dict(zip(keys, combo, strict=True))} for combo in combos)
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,19 +80,45 @@ class Method:
     variant_of: str | None = None  # the method whose implementation this one shares, with declared differences
     settings: tuple[Setting, ...] = ()  # the accuracy benchmark's rows; () = not benchmarked
     fixed: Mapping[str, Any] = field(default_factory=dict)  # keyword arguments always passed, not user-facing
-    coefficient: LinearCoefficient | None = None  # (validated params, N) -> c, when the merge is c * sum_i tau_i
+    coefficient: LinearCoefficient | None = None  # (validated params, weights) -> c_i, when the merge is linear
     cost: CostFunction | None = None  # (stack shape, itemsize, validated params) -> Operations of one merge
+    weighting: Weighting | None = None  # which per-expert weights ``fn`` takes; None: it takes none
+    check: InputCheck | None = None  # (validated params, N or None) -> raises ValueError for what fn cannot take
 
     @property
     def linear(self) -> bool:
-        """Whether the merged delta is c * sum_i tau_i (the same function of every row and every entry)."""
+        """Whether the merged delta is sum_i c_i tau_i (the same function of every row and every entry)."""
         return self.coefficient is not None
 
-    def linear_coefficient(self, params: Mapping[str, Any], n: int) -> float | None:
-        """c in merged delta = c * sum_i tau_i for ``n`` experts and these params; None if not linear or n = 0."""
+    @property
+    def needs_base(self) -> bool:
+        """Whether the method merges whole weights and needs the base tensor W_0 (passed as ``base``)."""
+        return "base" in self.context
+
+    def linear_coefficient(
+        self, params: Mapping[str, Any], n: int, weights: Sequence[float] | None = None
+    ) -> tuple[float, ...] | None:
+        """c_i in merged delta = sum_i c_i tau_i for ``n`` experts, these params and per-expert ``weights`` (None:
+        none given); None if the method is not linear or n = 0."""
         if self.coefficient is None or n == 0:
             return None
-        return self.coefficient(self.validate(params), n)
+        self.check_weights(weights, n)
+        return tuple(self.coefficient(self.validate(params), (1.0,) * n if weights is None else tuple(weights)))
+
+    def check_weights(self, weights: Sequence[float] | None, n: int | None = None) -> None:
+        """Refuse per-expert ``weights`` this method does not define (one line); None (no weights) always passes."""
+        if weights is None:
+            return
+        if n is not None and len(weights) != n:
+            raise ValueError(f"method '{self.name}': got {len(weights)} weights for {n} experts; give one per expert")
+        if self.weighting is None and any(w != 1 for w in weights):
+            raise ValueError(
+                f"method '{self.name}' does not define per-expert weights (got {list(weights)}): remove them, or "
+                f"use a method that takes them ({', '.join(n for n, m in _METHODS.items() if m.weighting)})"
+            )
+        if not all(math.isfinite(w) and (w > 0 or self.weighting == "any") for w in weights):
+            must = "finite" if self.weighting == "any" else "finite and > 0 (it elects signs from weighted deltas)"
+            raise ValueError(f"method '{self.name}': expert weights must be {must}, got {list(weights)}")
 
     def operations(self, shape: tuple[int, ...], itemsize: int, params: Mapping[str, Any]) -> Operations | None:
         """The declared cost of merging a stack of ``shape`` (N x ...) in a compute dtype of ``itemsize`` bytes with
@@ -119,13 +132,14 @@ class Method:
         known = [p.name for p in self.params]
         raise ValueError(unknown_name_message(f"parameter of method '{self.name}'", name, known))
 
-    def validate(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """Check names and types of ``params`` (strings from a CLI are coerced); return all params with defaults."""
+    def validate(self, params: Mapping[str, Any], n: int | None = None) -> dict[str, Any]:
+        """Check names and types of ``params`` (strings from a CLI are coerced), and with the declared ``check`` the
+        params together and the number of experts ``n`` (if known); return all params with defaults."""
         known = [p.name for p in self.params]
         for key, value in params.items():
             if key not in known:
                 raise ValueError(unknown_name_message(f"parameter of method '{self.name}'", key, known))
-            if _is_nan(value):
+            if is_nan(value):
                 raise ValueError(f"method '{self.name}': parameter '{key}' must be a number, not NaN (got {value!r})")
         try:
             model = self._model.model_validate(dict(params))
@@ -137,8 +151,12 @@ class Method:
             ) from None
         values = model.model_dump()
         for key, value in values.items():  # NaN from another spelling, where +inf is allowed
-            if _is_nan(value):
+            if is_nan(value):
                 raise ValueError(f"method '{self.name}': parameter '{key}' must be a number, not NaN")
+        try:
+            self.check is None or self.check(values, n)
+        except ValueError as err:
+            raise ValueError(f"method '{self.name}': {err}") from None
         return values
 
     def params_schema(self) -> dict[str, Any]:
@@ -158,14 +176,23 @@ class Method:
         dtype: torch.dtype | None = None,
         tensor_name: str = "",
         expert_keys: Sequence[str] | None = None,
+        weights: Sequence[float] | None = None,
+        base: torch.Tensor | None = None,
         **params: Any,
     ) -> LayerResult:
         """Validate ``params`` and run the method on one stack of task vectors.
 
         ``dtype`` is the compute dtype (default: float32 for half inputs, else the input's).
         ``tensor_name`` names the tensor in errors; with ``expert_keys`` it seeds a seeded method.
+        ``weights``: per-expert weights, for a method that defines them (:meth:`check_weights`).
+        ``base``: the base tensor W_0, for a method that needs it (:attr:`needs_base`).
         """
-        return self._run(task_vectors, dtype, tensor_name, expert_keys, params, {})
+        context: dict[str, Any] = {}
+        if self.needs_base:
+            if base is None:
+                raise ValueError(f"method '{self.name}' merges whole weights: pass the base tensor as base=")
+            context["base"] = compute_dtype(base, dtype)
+        return self._run(task_vectors, dtype, tensor_name, expert_keys, params, context, weights)
 
     def merge_cores(
         self,
@@ -175,6 +202,7 @@ class Method:
         dtype: torch.dtype | None = None,
         tensor_name: str = "",
         expert_keys: Sequence[str] | None = None,
+        weights: Sequence[float] | None = None,
         **params: Any,
     ) -> LayerResult:
         """Run a factored method on the cores T_i (N x p x q) of experts tau_i = P T_i R^T of shape ``full_shape``.
@@ -184,10 +212,15 @@ class Method:
         if not self.factored:
             raise ValueError(f"method '{self.name}' cannot merge factored (low-rank) experts; densify them first")
         shape = {"full_shape": full_shape} if "full_shape" in self.context else {}
-        return self._run(cores, dtype, tensor_name, expert_keys, params, shape)
+        return self._run(cores, dtype, tensor_name, expert_keys, params, shape, weights)
 
     def merge_factored(
-        self, deltas: Sequence[LoraDelta], *, dtype: torch.dtype | None = None, **params: Any
+        self,
+        deltas: Sequence[LoraDelta],
+        *,
+        dtype: torch.dtype | None = None,
+        weights: Sequence[float] | None = None,
+        **params: Any,
     ) -> FactoredResult:
         """Merge LoRA experts exactly, without densifying: ``result.dense()`` equals the method on the B_i A_i stack.
 
@@ -201,7 +234,7 @@ class Method:
             raise ValueError(f"method '{self.name}': no LoRA experts given")
         out_dtype = compute_dtype(deltas[0].B, dtype).dtype
         P, R, cores = factor_cores(deltas, torch.float64)
-        result = self.merge_cores(cores, deltas[0].shape, **params)
+        result = self.merge_cores(cores, deltas[0].shape, weights=weights, **params)
         diagnostics = {**result.diagnostics, "factored_rank": min(P.shape[1], R.shape[1])}
         return FactoredResult((P @ result.delta).to(out_dtype), R.T.to(out_dtype), diagnostics)
 
@@ -217,12 +250,17 @@ class Method:
         expert_keys: Sequence[str] | None,
         params: Mapping[str, Any],
         context: Mapping[str, Any],
+        weights: Sequence[float] | None = None,
     ) -> LayerResult:
-        """Validate ``params``, check the stack's shape, add the seed context, run ``fn`` in the compute dtype."""
-        values = self.validate(params)
+        """Validate ``params`` and ``weights``, check the stack's shape, add the context, run ``fn`` in the compute
+        dtype."""
+        values = self.validate(params, stack.shape[0])
         self._check_stack(stack, tensor_name)
+        self.check_weights(weights, stack.shape[0])
         if self.seeded:
             values.update(tensor_name=tensor_name, expert_keys=expert_keys)
+        if self.weighting is not None:
+            values["weights"] = None if weights is None else tuple(float(w) for w in weights)
         return self.fn(compute_dtype(stack, dtype), **values, **context, **self.fixed)
 
     def _check_stack(self, task_vectors: torch.Tensor, tensor_name: str) -> None:
@@ -231,16 +269,6 @@ class Method:
                 f"method '{self.name}' needs 2-D weights (a stack N x d_out x d_in), "
                 f"got a stack of shape {tuple(task_vectors.shape)} for tensor '{tensor_name or '?'}'"
             )
-
-
-def _is_nan(value: Any) -> bool:
-    """Whether ``value`` is NaN or a string that reads as NaN ("nan", "NaN")."""
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            return False
-    return isinstance(value, float) and math.isnan(value)
 
 
 _METHODS: dict[str, Method] = {}
@@ -259,6 +287,8 @@ def register(
     settings: Sequence[Setting] | None = None,
     fixed: Mapping[str, Any] | None = None,
     cost: CostFunction | None = None,
+    weights: Weighting | None = None,
+    check: InputCheck | None = None,
 ) -> Callable[[Callable[..., LayerResult]], Method]:
     """Decorator: add a method to the registry and return its :class:`Method` (call that, not the raw function).
 
@@ -273,7 +303,8 @@ def register(
         params, context = signature_params(name, fn, dict(fixed or {}), {}, helps)
         method = Method(
             name, fn, summary, citation, title or name, needs_matrix, params, context, factored, seeded, featured,
-            None, _settings(settings, name, title or name), dict(fixed or {}), linear_coefficient, cost,
+            None, _settings(settings, name, title or name), dict(fixed or {}), linear_coefficient, cost, weights,
+            check,
         )  # fmt: skip
         return _add(method)
 
@@ -291,15 +322,17 @@ def register_variant(
     citation: str | None = None,
     featured: bool = True,
     settings: Sequence[Setting] | None = None,
+    weights: Weighting | None = None,
 ) -> Method:
-    """Register ``name`` as a variant of the method ``of``: the same function, parameters and capabilities,
-    with the declared differences only (``fixed`` arguments, parameter ``defaults``, a ``summary``)."""
+    """Register ``name`` as a variant of the method ``of``: the same function, parameters and capabilities, with
+    the declared differences only (``fixed`` arguments, parameter ``defaults``, a ``summary``, its ``weights``)."""
     _, helps = parse_docstring(of.fn)
     all_fixed = {**of.fixed, **(fixed or {})}
     params, context = signature_params(name, of.fn, all_fixed, dict(defaults or {}), helps)
     method = Method(
         name, of.fn, summary, citation or of.citation, title, of.needs_matrix, params, context, of.factored,
         of.seeded, featured, of.name, _settings(settings, name, title), all_fixed, of.coefficient, of.cost,
+        weights or of.weighting, of.check,
     )  # fmt: skip
     return _add(method)
 
@@ -319,6 +352,10 @@ def _add(method: Method) -> Method:
         raise TypeError(f"method '{method.name}' accepts {', '.join(sorted(accepts_seed))}: declare seeded=True")
     if "full_shape" in method.context and not method.factored:
         raise TypeError(f"method '{method.name}' accepts full_shape: declare factored=True if it is exact on cores")
+    if ("weights" in method.context) != (method.weighting is not None):
+        raise TypeError(f"method '{method.name}': declare weights='any' or 'positive' exactly when fn takes weights")
+    if method.needs_base and (method.factored or method.linear):
+        raise TypeError(f"method '{method.name}' takes the base tensor: it cannot be factored or linear in the deltas")
     known = {p.name for p in method.params}
     for setting in method.settings:
         unknown = (set(setting.params) | set(setting.grid)) - known

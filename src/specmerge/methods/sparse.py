@@ -16,6 +16,7 @@ import torch
 from pydantic import Field
 
 from specmerge.linalg.topk import KEEP_ALL, fraction_count, keep_mask, top_k_count, top_k_rule
+from specmerge.methods.linear import weighted_sum
 from specmerge.methods.operations import Operations, Shape, numel, passes
 from specmerge.methods.registry import LayerResult, Setting, register, register_variant
 
@@ -63,21 +64,31 @@ def breadcrumbs_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
 # TIES
 
 
-def elect_sign(task_vectors: torch.Tensor) -> torch.Tensor:
-    """The elected sign per entry: sign of the sum over experts (0 where the sum is exactly 0)."""
-    return torch.sign(task_vectors.sum(dim=0))
+def elect_sign(task_vectors: torch.Tensor, weights: Sequence[float] | None = None) -> torch.Tensor:
+    """The elected sign per entry: sign of the (weighted: sum_i w_i tau_i) sum over experts (0 where it is 0)."""
+    return torch.sign(task_vectors.sum(dim=0) if weights is None else weighted_sum(task_vectors, weights))
 
 
-def disjoint_mean(task_vectors: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    """Per entry, the mean over the experts whose entry is non-zero with the elected sign; 0 where none."""
+def disjoint_mean(
+    task_vectors: torch.Tensor, sign: torch.Tensor, weights: Sequence[float] | None = None
+) -> torch.Tensor:
+    """Per entry, the mean over the experts whose entry is non-zero with the elected sign; 0 where none.
+
+    With positive ``weights`` the weighted mean over the same experts: sum_i w_i tau_i / sum_i w_i, both over the
+    agreeing experts (what TIES computes on weighted task vectors w_i tau_i, normalized by their weights).
+    """
     total = torch.zeros_like(sign)
     count = torch.zeros_like(sign)
     zero = sign.new_zeros(())
-    for tau_i in task_vectors:  # one expert at a time: no N x tensor temporaries
+    for i, tau_i in enumerate(task_vectors):  # one expert at a time: no N x tensor temporaries
         agree = (tau_i * sign) > 0  # the same non-zero sign (sign is -1, 0 or +1)
-        total.add_(torch.where(agree, tau_i, zero))
-        count.add_(agree)
-    return total.div_(count.clamp_(min=1))
+        if weights is None:
+            total.add_(torch.where(agree, tau_i, zero))
+            count.add_(agree)
+        else:
+            total.add_(torch.where(agree, tau_i, zero), alpha=weights[i])
+            count.add_(agree, alpha=weights[i])
+    return total.div_(count.clamp_(min=1) if weights is None else torch.where(count > 0, count, 1))
 
 
 @register(
@@ -87,15 +98,19 @@ def disjoint_mean(task_vectors: torch.Tensor, sign: torch.Tensor) -> torch.Tenso
     needs_matrix=False,
     settings=[Setting("ties", "TIES (top 20 %)")],
     cost=ties_cost,
+    weights="positive",
 )
-def ties(task_vectors: torch.Tensor, *, density: Density = 0.2, scale: float = 1.0) -> LayerResult:
+def ties(
+    task_vectors: torch.Tensor, *, density: Density = 0.2, scale: float = 1.0, weights: Sequence[float] | None = None
+) -> LayerResult:
     """TIES-Merging: trim each task vector to its largest entries, elect a sign per entry, average the agreeing.
 
     The trim is per expert and per tensor (the public code also offers a whole-model trim; per tensor
     is what streaming allows); of equal magnitudes at the threshold, those first in storage order are
     kept, so the trim is the same on every machine. The merge is the disjoint mean, not the sum. Where
     the trimmed values sum to exactly zero no sign is elected and the entry stays at W_0 (the original
-    code breaks such ties with the model-wide majority sign, mergekit with +).
+    code breaks such ties with the model-wide majority sign, mergekit with +). With expert weights w_i the
+    sign is elected from sum_i w_i trim(tau_i) and the mean is weighted (:func:`disjoint_mean`), as mergekit does.
 
     Args:
         density: fraction of entries kept per expert and tensor, k = ceil(density * numel), in (0, 1].
@@ -114,9 +129,9 @@ def ties(task_vectors: torch.Tensor, *, density: Density = 0.2, scale: float = 1
         for i, rule in enumerate(rules):
             tau = flat[i, start:stop]
             torch.where(keep_mask(tau, rule, start), tau, zero, out=block[i])
-        sign = elect_sign(block)
+        sign = elect_sign(block, weights)
         ties_at_zero += torch.count_nonzero(sign == 0)
-        merged[start:stop] = disjoint_mean(block, sign)
+        merged[start:stop] = disjoint_mean(block, sign, weights)
     diagnostics = {"n_experts": task_vectors.shape[0]}
     if merged.numel():
         diagnostics["sign_tie_fraction"] = int(ties_at_zero) / merged.numel()
@@ -206,6 +221,7 @@ def dare(
     fixed={"combine": "sum"},
     settings=[Setting("dare_task_arithmetic", "DARE-TA (p = 0.5)")],
     cost=dare_cost,
+    weights="any",
 )
 def dare_task_arithmetic(
     task_vectors: torch.Tensor,
@@ -216,8 +232,9 @@ def dare_task_arithmetic(
     scale: float = 0.3,
     tensor_name: str = "",
     expert_keys: Sequence[str] | None = None,
+    weights: Sequence[float] | None = None,
 ) -> LayerResult:
-    """DARE + task arithmetic: randomly drop and rescale each task vector, then sum.
+    """DARE + task arithmetic: randomly drop and rescale each task vector, then sum (weighted: sum_i w_i DARE(tau_i)).
 
     ``combine`` is the declared difference of the variant DARE-TIES: ``disjoint_mean`` elects signs and
     takes TIES's disjoint mean of the dropped task vectors instead of their sum (the random drop replaces
@@ -230,15 +247,35 @@ def dare_task_arithmetic(
         scale: lambda in merged = W_0 + lambda * sum_i DARE(tau_i) (DARE-TIES: lambda * disjoint_mean).
     """
     dropped = dare(task_vectors, drop_rate, seed, tensor_name, expert_keys)
-    diagnostics = {"n_experts": task_vectors.shape[0], "drop_rate": drop_rate}
+    return combine_dropped(dropped, combine, scale, weights, {"drop_rate": drop_rate})
+
+
+def combine_dropped(
+    dropped: torch.Tensor, combine: str, scale: float, weights: Sequence[float] | None, diagnostics: dict
+) -> LayerResult:
+    """lambda * the (weighted) sum of sparsified task vectors, or (``disjoint_mean``) lambda * their (weighted)
+    disjoint mean under the elected signs."""
+    diagnostics = {"n_experts": dropped.shape[0], **diagnostics}
     if combine == "sum":
-        return LayerResult(scale * dropped.sum(dim=0), diagnostics)
-    sign = elect_sign(dropped)
-    merged = disjoint_mean(dropped, sign)
+        total = dropped.sum(dim=0) if weights is None else weighted_sum(dropped, weights)
+        return LayerResult(scale * total, diagnostics)
+    sign = elect_sign(dropped, weights)
+    merged = disjoint_mean(dropped, sign, weights)
     if sign.numel():
         diagnostics["sign_tie_fraction"] = float((sign == 0).double().mean())
     return LayerResult(scale * merged, diagnostics)
 
+
+dare_linear = register_variant(
+    "dare_linear",
+    dare_task_arithmetic,
+    title="DARE-linear",
+    summary="DARE + task arithmetic under mergekit's name (dare_linear): the sum of the dropped, rescaled task "
+    "vectors, lambda 1 by default.",
+    defaults={"scale": 1.0},
+    featured=False,
+    settings=(),
+)
 
 dare_ties = register_variant(
     "dare_ties",
@@ -248,6 +285,7 @@ dare_ties = register_variant(
     fixed={"combine": "disjoint_mean"},
     defaults={"scale": 1.0},
     settings=[Setting("dare_ties", "DARE-TIES (p = 0.5)")],
+    weights="positive",
 )
 
 
@@ -256,17 +294,28 @@ dare_ties = register_variant(
 
 
 @register(
-    "breadcrumbs", citation=BREADCRUMBS_CITATION, title="Model Breadcrumbs", needs_matrix=False, cost=breadcrumbs_cost
+    "breadcrumbs",
+    citation=BREADCRUMBS_CITATION,
+    title="Model Breadcrumbs",
+    needs_matrix=False,
+    cost=breadcrumbs_cost,
+    weights="any",
 )
 def breadcrumbs(
-    task_vectors: torch.Tensor, *, density: Density = 0.9, beta: DropRate = 0.01, scale: float = 0.3
+    task_vectors: torch.Tensor,
+    *,
+    density: Density = 0.9,
+    beta: DropRate = 0.01,
+    scale: float = 0.3,
+    weights: Sequence[float] | None = None,
 ) -> LayerResult:
     """Model Breadcrumbs: keep a band of each task vector's magnitudes (no outliers, no small entries), then sum.
 
     Per expert and tensor, the m = floor(beta * numel) entries of largest |tau_i| are dropped, the
     next k = ceil(density * numel) are kept (at most numel - m), and the smallest rest is dropped; the
-    masked task vectors are summed and scaled, as in task arithmetic. Of equal magnitudes at either
-    edge of the band, those first in storage order rank higher, so the band is the same on every machine.
+    masked task vectors are summed (weighted: sum_i w_i band(tau_i)) and scaled, as in task arithmetic. Of
+    equal magnitudes at either edge of the band, those first in storage order rank higher, so the band is the
+    same on every machine.
 
     Args:
         density: fraction of entries kept per expert and tensor, k = ceil(density * numel), in (0, 1].
@@ -284,4 +333,5 @@ def breadcrumbs(
             band[i] &= ~keep_mask(tau_i, top_k_rule(tau_i, top))
     masked = torch.where(band, flat, flat.new_zeros(())).reshape(task_vectors.shape)
     diagnostics = {"n_experts": task_vectors.shape[0], "kept_per_expert": kept, "dropped_largest": top}
-    return LayerResult(scale * masked.sum(dim=0), diagnostics)
+    total = masked.sum(dim=0) if weights is None else weighted_sum(masked, weights)
+    return LayerResult(scale * total, diagnostics)

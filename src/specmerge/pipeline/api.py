@@ -29,7 +29,6 @@ from specmerge.io.protocol import TensorInfo
 from specmerge.io.writer import ShardWriter
 from specmerge.methods import get_method
 from specmerge.pipeline.card import card_for
-from specmerge.pipeline.compute import resolve_device
 from specmerge.pipeline.executor import StreamingExecutor
 from specmerge.pipeline.inputs import portable_recipe, portable_spec, refuse_output_inside_inputs
 from specmerge.pipeline.jobs import AdapterJob, ComputeOptions, ModelJob
@@ -142,7 +141,7 @@ def run_recipe(
     output = Path(output)
     refuse_output_inside_inputs(output, [recipe.base, *recipe.experts])
     check_output(output, overwrite)  # before any work: parent exists, an existing folder may be replaced
-    options = ComputeOptions(resolve_device(recipe.device), getattr(torch, recipe.compute_dtype))  # DARE: content
+    options = ComputeOptions.for_recipe(recipe)
     started = time.perf_counter()
     method = get_method(recipe.method)
     with ExitStack() as stack:

@@ -144,7 +144,7 @@ class ComputeRates:
         experts = [torch.full((count,), 0.5 + 0.01 * (i + 1), dtype=torch.float16) for i in range(n)]
         entry = TensorPlan("probe", (count,), torch.float16, "merge", "task_arithmetic", {"scale": 0.3}, "probe")
         size = (n + 2) * count * 2
-        run = lambda: linear_merge(entry, base, experts, 0.3, torch.float32)  # noqa: E731
+        run = lambda: linear_merge(entry, base, experts, (0.3,) * len(experts), torch.float32)  # noqa: E731
         cpu = torch.device("cpu")
         return self._timed(
             "linear", "chunked linear merge, 2 experts of 8 Mi float16", lambda: size / _best(run, 1, cpu)

@@ -55,15 +55,21 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def linear_coefficient(entry: TensorPlan, n: int) -> float | None:
-    """c in merged = W_0 + c * sum_i tau_i when ``entry`` is such a merge of ``n`` experts (an average, or a
-    method that declares itself linear), else None."""
+def linear_coefficient(entry: TensorPlan, n: int, weights: Sequence[float] | None = None) -> tuple[float, ...] | None:
+    """c_i in merged = W_0 + sum_i c_i tau_i when ``entry`` is such a merge of ``n`` experts (an average, or a
+    method that declares itself linear) with per-expert ``weights`` (None: none given), else None.
+
+    An average is the plain mean (c_i = s / n), or with weights the weighted mean (c_i = s w_i / sum_j w_j)."""
     if n == 0:
         return None
     if entry.action == "average":
-        return entry.params.get("scale", 1.0) / n
+        scale = entry.params.get("scale", 1.0)
+        if weights is None:
+            return (scale / n,) * n
+        total = sum(weights)
+        return tuple(scale * w / total for w in weights)
     if entry.action == "merge":
-        return get_method(entry.method).linear_coefficient(entry.params, n)
+        return get_method(entry.method).linear_coefficient(entry.params, n, weights)
     return None
 
 
@@ -97,6 +103,7 @@ def merged_delta(
     device: torch.device,
     compute_dtype: torch.dtype,
     expert_keys: Sequence[str] | None = None,
+    weights: Sequence[float] | None = None,
 ) -> tuple[torch.Tensor | FactoredResult | None, dict[str, Any]]:
     """The merged delta of one ``average`` or ``merge`` entry: dense, factored, or None (no expert changes it).
 
@@ -109,6 +116,9 @@ def merged_delta(
     A weight stored (in, out) (``entry.transposed``, a Conv1D) is given to a matrix method as (out, in),
     tau_i^T, and the merged delta is returned transposed back, in the stored layout (a view when dense);
     elementwise methods and averages do not depend on the orientation and see the stored layout.
+
+    ``weights`` are the per-expert weights (None: none given), for averages and the methods that define them;
+    a method that merges whole weights (``Method.needs_base``) gets ``base_c``.
     """
     n = len(values)
     which = route(entry, [value.kind for value in values], device, chunked=False)
@@ -124,20 +134,21 @@ def merged_delta(
             device=device,
             compute_dtype=compute_dtype,
             expert_keys=expert_keys,
+            weights=weights,
         )
         return transpose_result(delta), {**diagnostics, "layout": CONV1D_LAYOUT}
     shape = entry.shape if base_c is None else tuple(base_c.shape)
     if which == "factored":
         check_inputs(entry, None, values)  # the factors: small; the base is checked by the caller
         deltas = low_rank_deltas(values, dtype=compute_dtype, device=device)
-        if method is None:  # average: s / N * sum_i s_i B_i A_i, as one pair of concatenated factors
-            scale = linear_coefficient(entry, n)
-            left = torch.cat([d.B * (scale * d.scale) for d in deltas], dim=1)
+        if method is None:  # average: sum_i c_i s_i B_i A_i, as one pair of concatenated factors
+            scales = linear_coefficient(entry, n, weights)
+            left = torch.cat([d.B * (c * d.scale) for c, d in zip(scales, deltas, strict=True)], dim=1)
             right = torch.cat([d.A for d in deltas], dim=0)
             return FactoredResult(left, right, {}), {"route": "factored"}
-        result = method.merge_factored(deltas, dtype=compute_dtype, **entry.params)
+        result = method.merge_factored(deltas, dtype=compute_dtype, weights=weights, **entry.params)
         return result, {**result.diagnostics, "route": "factored"}
-    if method is None:  # average as a running sum: two buffers, not N
+    if method is None and weights is None:  # average as a running sum: two buffers, not N
         delta = task_vector_sum(values, base_c, shape, dtype=compute_dtype, device=device)
         delta.div_(n).mul_(entry.params.get("scale", 1.0))
         if not all_finite(delta):  # NaN or Inf in any input reaches the sum (inf * 0 is NaN)
@@ -146,7 +157,16 @@ def merged_delta(
     stack = task_vector_stack(values, base_c, dtype=compute_dtype, device=device, shape=shape)
     if not all_finite(stack):  # before the method: TIES would drop NaN, TSV-M an expert, silently
         refuse_nonfinite(entry, base_c, values)
-    result = method(stack, dtype=compute_dtype, tensor_name=entry.name, expert_keys=expert_keys, **entry.params)
+    if method is None:  # a weighted average of some LoRA and some full experts: the stack, weighted
+        delta = torch.zeros_like(stack[0])
+        for c, tau_i in zip(linear_coefficient(entry, n, weights), stack, strict=True):
+            delta.add_(tau_i, alpha=c)
+        return delta, {"route": "dense"}
+    whole = {"base": base_c} if method.needs_base else {}
+    result = method(
+        stack, dtype=compute_dtype, tensor_name=entry.name, expert_keys=expert_keys, weights=weights, **whole,
+        **entry.params,
+    )  # fmt: skip
     del stack
     return result.delta, {**result.diagnostics, "route": "dense"}
 
@@ -159,6 +179,7 @@ def merge_tensor(
     device: torch.device,
     compute_dtype: torch.dtype,
     expert_keys: Sequence[str] | None = None,
+    weights: Sequence[float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """The merged tensor for one plan entry (in ``entry.out_dtype``, on the CPU) and its diagnostics.
 
@@ -170,12 +191,12 @@ def merge_tensor(
         check_inputs(entry, base_tensor, ())
         return base_tensor.to(entry.out_dtype), {}
     if route(entry, [value.kind for value in values], device) == "linear":
-        coefficient = linear_coefficient(entry, len(values))
-        return linear_merge(entry, base_tensor, [value.weight for value in values], coefficient, compute_dtype)
+        coefficients = linear_coefficient(entry, len(values), weights)
+        return linear_merge(entry, base_tensor, [value.weight for value in values], coefficients, compute_dtype)
     base_c = base_tensor.to(device=device, dtype=compute_dtype)
     check_inputs(entry, base_c, ())  # merged_delta checks the experts
     delta, diagnostics = merged_delta(
-        entry, base_c, values, device=device, compute_dtype=compute_dtype, expert_keys=expert_keys
+        entry, base_c, values, device=device, compute_dtype=compute_dtype, expert_keys=expert_keys, weights=weights
     )
     if isinstance(delta, FactoredResult):
         merged = base_c.addmm_(delta.left, delta.right)
@@ -195,12 +216,13 @@ def merge_adapter_tensor(
     max_rank: int | None = None,
     out_dtype: torch.dtype | None = None,
     expert_keys: Sequence[str] | None = None,
+    weights: Sequence[float] | None = None,
 ) -> tuple[AdapterFactors | None, dict[str, Any]]:
     """The merged delta of LoRA experts as LoRA factors (on the CPU): exact, or truncated to ``max_rank`` with
     the discarded energy in the diagnostics (:func:`~specmerge.linalg.lowrank.adapter_factors`); None when the
     delta is zero (the adapter writes no module)."""
     delta, diagnostics = merged_delta(
-        entry, None, values, device=device, compute_dtype=compute_dtype, expert_keys=expert_keys
+        entry, None, values, device=device, compute_dtype=compute_dtype, expert_keys=expert_keys, weights=weights
     )
     if delta is None:
         return None, diagnostics
@@ -215,15 +237,16 @@ def linear_merge(
     entry: TensorPlan,
     base_tensor: torch.Tensor,
     weights: Sequence[torch.Tensor],
-    coefficient: float,
+    coefficients: Sequence[float],
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """W_0 + c * sum_i (W_i - W_0) for full checkpoints' ``weights`` on the CPU, in cache-sized chunks.
+    """W_0 + sum_i c_i (W_i - W_0) for full checkpoints' ``weights`` on the CPU, in cache-sized chunks.
 
     The same arithmetic as stacking the task vectors in ``dtype`` and calling the registry method (each
     tau_i = W_i - W_0 rounded once, summed, scaled, added to W_0), but each chunk's few passes stay in
     cache instead of streaming an N x tensor stack through memory several times: 2-3x faster end to end
-    for task arithmetic (BENCHMARKS.md, issue 6). The diagnostics are the registry method's.
+    for task arithmetic (BENCHMARKS.md, issue 6). Equal c_i (no expert weights) scale the sum once, as the method
+    does; else each tau_i is added with its own c_i. The diagnostics are the registry method's.
 
     NaN or Inf in any input makes its chunk's sum of squares non-finite (even at c = 0: inf * 0 is NaN),
     so the check for them costs one float test per chunk; only then are the inputs searched.
@@ -233,15 +256,21 @@ def linear_merge(
     flat_items = [weight.reshape(-1) for weight in weights]
     chunk = min(CHUNK_ELEMENTS, flat_out.numel())
     base_c, acc, tau = (torch.empty(chunk, dtype=dtype) for _ in range(3))
+    equal = len(set(coefficients)) == 1
     squares = 0.0
     for start in range(0, flat_out.numel(), chunk):
         stop = min(start + chunk, flat_out.numel())
         b, a, t = base_c[: stop - start], acc[: stop - start], tau[: stop - start]
         b.copy_(flat_base[start:stop])
-        a.copy_(flat_items[0][start:stop]).sub_(b)  # converting first: a mixed-dtype sub is 3x slower
-        for item in flat_items[1:]:
-            a.add_(t.copy_(item[start:stop]).sub_(b))
-        a.mul_(coefficient)
+        if equal:
+            a.copy_(flat_items[0][start:stop]).sub_(b)  # converting first: a mixed-dtype sub is 3x slower
+            for item in flat_items[1:]:
+                a.add_(t.copy_(item[start:stop]).sub_(b))
+            a.mul_(coefficients[0])
+        else:
+            a.zero_()
+            for item, c in zip(flat_items, coefficients, strict=True):
+                a.add_(t.copy_(item[start:stop]).sub_(b), alpha=c)
         chunk_squares = float(torch.dot(a, a))
         if not math.isfinite(chunk_squares):
             chunk_squares = _recheck_chunk(entry, a, base_tensor, weights, start, stop)

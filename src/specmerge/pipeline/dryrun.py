@@ -19,11 +19,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from specmerge.io.output import check_output
 from specmerge.pipeline.calibrate import ComputeRates, InputReads, process_age, process_rss
-from specmerge.pipeline.compute import ROUTES, resolve_device
+from specmerge.pipeline.compute import ROUTES
 from specmerge.pipeline.cost import BASE, ItemCost, estimate_items, expert_labels, peak_memory, spare_cpu
 from specmerge.pipeline.inputs import refuse_output_inside_inputs
 from specmerge.pipeline.jobs import AdapterJob, ComputeOptions, ModelJob
@@ -53,7 +51,7 @@ def dry_run(
     if output is not None:
         refuse_output_inside_inputs(Path(output), [recipe.base, *recipe.experts])
         check_output(output, overwrite)
-    options = ComputeOptions(resolve_device(recipe.device), getattr(torch, recipe.compute_dtype))  # DARE: content
+    options = ComputeOptions.for_recipe(recipe)
     with ExitStack() as stack:
         chosen = stack.enter_context(merge_threads(threads))
         prepared = prepare_merge(stack, recipe, output)

@@ -20,21 +20,30 @@ import torch
 from specmerge.io.experts import Expert
 from specmerge.io.protocol import TensorSource
 from specmerge.linalg.lowrank import AdapterFactors
-from specmerge.pipeline.compute import merge_adapter_tensor, merge_tensor
+from specmerge.pipeline.compute import merge_adapter_tensor, merge_tensor, resolve_device
 from specmerge.pipeline.cost import ItemCost, estimate_items
 from specmerge.pipeline.finite import NonFiniteInput, locate_nonfinite
 from specmerge.pipeline.plan import TensorPlan
+from specmerge.pipeline.recipe import Recipe
 from specmerge.pipeline.work import Inputs, Outcome, Progress, WorkItem, read_inputs, work_items
 
 
 @dataclass(frozen=True)
 class ComputeOptions:
-    """Where and how work items are computed: the device, the compute dtype, and the keys that seed seeded
-    methods (one per expert)."""
+    """Where and how work items are computed: the device, the compute dtype, the keys that seed seeded
+    methods and the per-expert weights (one per expert each; None: seeded by content, no weights)."""
 
     device: torch.device
     compute_dtype: torch.dtype = torch.float32
     expert_keys: Sequence[str] | None = None
+    expert_weights: Sequence[float] | None = None
+
+    @classmethod
+    def for_recipe(cls, recipe: Recipe) -> ComputeOptions:
+        """The recipe's device, compute dtype and expert weights; seeded methods key each expert by its weights'
+        content (no expert keys), so a merge never depends on folder names."""
+        device, dtype = resolve_device(recipe.device), getattr(torch, recipe.compute_dtype)
+        return cls(device, dtype, None, recipe.expert_weights)
 
 
 class ModelJob:
@@ -83,6 +92,7 @@ class ModelJob:
                 device=o.device,
                 compute_dtype=o.compute_dtype,
                 expert_keys=o.expert_keys,
+                weights=o.expert_weights,
             )
         except NonFiniteInput as err:
             raise locate_nonfinite(item.entry, self.base, self.experts, err) from None
@@ -138,6 +148,7 @@ class AdapterJob:
                 max_rank=self.max_rank,
                 out_dtype=self.out_dtype,
                 expert_keys=o.expert_keys,
+                weights=o.expert_weights,
             )
         except NonFiniteInput as err:
             raise locate_nonfinite(item.entry, None, self.experts, err) from None

@@ -55,6 +55,7 @@ import torch
 
 from specmerge.errors import SpecmergeError, closest_name
 from specmerge.methods import Method, all_methods, get_method
+from specmerge.pipeline.layered import at_position, is_layered, layer_positions
 from specmerge.pipeline.recipe import DTYPES, Recipe
 
 Action = Literal["merge", "average", "keep_base"]
@@ -147,7 +148,8 @@ def make_plan(
     if len(experts) != len(expert_paths):
         raise PlanError(f"make_plan got {len(experts)} experts but {len(expert_paths)} expert paths")
     method = get_method(recipe.method)
-    average_params = {"scale": float(recipe.params.get("scale", 1.0)) if recipe.scale_non_matrix else 1.0}
+    average_params = {"scale": recipe.params.get("scale", 1.0) if recipe.scale_non_matrix else 1.0}
+    positions = layer_positions(base)
     used = [False] * len(recipe.overrides)
     plan = []
     problems: list[str] = []
@@ -158,6 +160,13 @@ def make_plan(
             plan.append(TensorPlan(name, shape, out_dtype, "keep_base", None, {}, own[name]))
             continue
         entry = _plan_tensor(name, shape, info.dtype, method, recipe, average_params, used)
+        if is_layered(entry.params):  # a value per layer position: this tensor's
+            entry = dataclasses.replace(entry, params=_at_layer(entry, positions[name], len(experts)))
+        if entry.action == "average" and recipe.expert_weights and sum(recipe.expert_weights) == 0:
+            raise PlanError(
+                f"tensor '{name}' is averaged ({entry.reason}), and the weighted mean divides by the expert weights' "
+                "sum, which is 0: keep such tensors (non_matrix: keep_base, or an override) or change the weights"
+            )
         if name in transposed:
             entry = dataclasses.replace(entry, transposed=True)
         plan.append(entry)
@@ -261,6 +270,12 @@ def check_lora_output(recipe: Recipe, plan: Sequence[TensorPlan], experts: Seque
         )
     if len({e.fan_in_fan_out for e in experts}) > 1:
         raise PlanError("the adapters disagree on fan_in_fan_out: they were not trained on the same base model")
+    for entry in plan:
+        if entry.action == "merge" and get_method(entry.method).needs_base:
+            raise PlanError(
+                f"method '{entry.method}' (tensor '{entry.name}') merges whole weights and needs the base's; "
+                "an adapter holds only deltas: write a merged model instead (output_format model)"
+            )
     if recipe.max_rank is not None:
         return
     for entry in plan:
@@ -272,6 +287,18 @@ def check_lora_output(recipe: Recipe, plan: Sequence[TensorPlan], experts: Seque
                 "low-rank: give max_rank (--max-rank K) to write its best rank-K approximation, or use a "
                 f"method with an exact factored form ({factored})"
             )
+
+
+def _at_layer(entry: TensorPlan, t: float | None, n: int) -> dict[str, Any]:
+    """The params of ``entry`` at layer position ``t`` (:mod:`specmerge.pipeline.layered`), validated again: a
+    value between two valid ones may still break a joint condition of the method."""
+    params = at_position(entry.params, t)
+    if entry.action != "merge":
+        return {key: float(value) for key, value in params.items()}
+    try:
+        return get_method(entry.method).validate(params, n)
+    except ValueError as err:
+        raise PlanError(f"tensor '{entry.name}' (layer position {t}): {err}") from None
 
 
 def _plan_tensor(

@@ -37,7 +37,9 @@ from pydantic import (
 from specmerge.errors import RecipeError, unknown_name_message
 from specmerge.io.hub import HUB_SPEC, absolute_spec
 from specmerge.methods import all_methods, get_method
+from specmerge.pipeline.expert_entries import WEIGHTS_HELP, check_weights, normalize_weights, split_entries
 from specmerge.pipeline.input_choice import BASE, CONFIG_SOURCE_HELP, MODULES_HELP, ConfigSource, ModuleSources
+from specmerge.pipeline.layered import validate_layered
 from specmerge.pipeline.recipe_errors import line_of, recipe_error
 from specmerge.pipeline.tokenizer_source import TOKENIZER_SOURCE_HELP, UNION, TokenizerSource
 from specmerge.pipeline.values import Device, Flag, dtype_name, override_shorthands, parse_size
@@ -101,6 +103,9 @@ class Recipe(BaseModel):
         description="names of the experts in reports, config_source, tokenizer_source and modules, one per expert, "
         "in order (repeatable; default: each expert path's folder/file name, made unique); seeded methods (DARE) "
         "seed each expert's mask from its weights, never from its name",
+    )
+    expert_weights: Annotated[list[float] | None, Flag("--weight", metavar="W")] = Field(
+        default=None, validate_default=True, description=WEIGHTS_HELP
     )
     method: Annotated[str, Flag("--method", "-m")] = Field(
         default="swudi_a", description="merge method (see `specmerge methods`)"
@@ -181,6 +186,7 @@ class Recipe(BaseModel):
     def _known_keys(cls, data: Any) -> Any:
         if not isinstance(data, Mapping):
             return data
+        data = split_entries(data)
         for key in data:
             if key in cls.model_fields:
                 continue
@@ -234,6 +240,12 @@ class Recipe(BaseModel):
                 raise RecipeError(f"expert_keys has '{key}' twice: the names must be unique", (i,))
         return keys
 
+    @field_validator("expert_weights")
+    @classmethod
+    def _expert_weights(cls, weights: list[float] | None, info: ValidationInfo) -> list[float] | None:
+        experts = info.data.get("experts")
+        return normalize_weights(weights, None if experts is None else len(experts))
+
     @field_validator("method")
     @classmethod
     def _known_method(cls, name: str) -> str:
@@ -247,8 +259,9 @@ class Recipe(BaseModel):
     def _complete_params(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         if "method" not in info.data:
             return params  # unknown method; that error is reported
+        experts = info.data.get("experts")
         try:
-            return get_method(info.data["method"]).validate(params)
+            return validate_layered(get_method(info.data["method"]), params, len(experts) if experts else None)
         except ValueError as err:
             raise RecipeError(str(err)) from None
 
@@ -268,8 +281,9 @@ class Recipe(BaseModel):
                 raise RecipeError(f"override '{override.pattern}': {err}", (i, "method")) from None
             # Without its own method an override refines the recipe's params; with one it starts from its defaults.
             given = override.params if override.method else {**info.data["params"], **override.params}
+            experts = info.data.get("experts")
             try:
-                params = method.validate(given)
+                params = validate_layered(method, given, len(experts) if experts else None)
             except ValueError as err:
                 raise RecipeError(f"override '{override.pattern}': {err}", (i, "params")) from None
             named = {"method": method.name} if override.method else {}
@@ -297,6 +311,8 @@ class Recipe(BaseModel):
     def _lora_only_options(self) -> Recipe:
         if self.max_rank is not None and self.output_format != "lora":
             raise RecipeError("max_rank applies only to output_format lora; remove it or set output_format: lora")
+        merging = [o.method or self.method for o in self.overrides if o.action == "merge"]
+        check_weights(self.expert_weights, [self.method, *merging])
         return self
 
 
@@ -354,5 +370,8 @@ def _resolve_paths(data: dict[str, Any], folder: Path) -> dict[str, Any]:
     if "base" in data:
         data["base"] = resolve(data["base"])
     if isinstance(data.get("experts"), list):
-        data["experts"] = [resolve(e) for e in data["experts"]]
+        data["experts"] = [
+            {**e, "path": resolve(e["path"])} if isinstance(e, dict) and "path" in e else resolve(e)
+            for e in data["experts"]
+        ]
     return data

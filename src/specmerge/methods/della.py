@@ -1,0 +1,124 @@
+"""DELLA: drop each task vector's entries at random with a keep probability that grows with their magnitude.
+
+MagPrune (Deep et al.): within each row of tau_i, entries are ranked by |tau_i|; the entry of normalized
+rank u in [0, 1] (0 the smallest, 1 the largest) is kept with probability p(u) = density - epsilon + 2 epsilon u
+and, kept, divided by p(u), so that every entry is unbiased. Then, as in TIES, signs are elected and the
+agreeing entries averaged (``della``), or the sparsified task vectors are summed (``della_linear``). The random
+draws are DARE's (:func:`specmerge.methods.sparse.dare_seed`): a function of (seed, tensor name, the expert's
+task vector), the same on every device and in every order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Literal
+
+import torch
+from pydantic import Field
+
+from specmerge.methods.operations import Operations, Shape, numel, passes
+from specmerge.methods.registry import LayerResult, register, register_variant
+from specmerge.methods.sparse import Density, combine_dropped, content_key, dare_seed
+
+DELLA_CITATION = (
+    "Deep et al., DELLA-Merging: Reducing Interference in Model Merging through Magnitude-Based Sampling, 2024"
+)
+Epsilon = Annotated[float, Field(ge=0, lt=1)]
+
+
+def della_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
+    """Per expert a row-wise sort (the ranks), the probabilities, a random draw and the rescaled copy; then the
+    sum, or the election and disjoint mean."""
+    n, x = shape[0], numel(shape[1:])
+    combine = 2 * n + 2 if params.get("combine") == "sum" else 15 * n + 6
+    return passes(14 * n + combine, x, itemsize) + Operations(random=n * x, select=n * x, workspace=3 * n * x * 8)
+
+
+def keep_probabilities(tau: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
+    """p = density - epsilon + 2 epsilon u per entry of ``tau``, u its magnitude rank in its row over (row length
+    - 1) (0 the smallest; equal magnitudes ranked in storage order; u = 1/2 for a row of one). A 1-D tensor is one
+    row; a tensor of more dimensions has rows along its first axis."""
+    rows = tau.reshape(1, -1) if tau.dim() < 2 else tau.reshape(tau.shape[0], -1)
+    length = rows.shape[1]
+    order = torch.argsort(rows.abs(), dim=1, stable=True)
+    ranks = torch.empty_like(order).scatter_(1, order, torch.arange(length, device=tau.device).expand_as(order))
+    u = ranks.to(torch.float64) / (length - 1) if length > 1 else torch.full(rows.shape, 0.5, dtype=torch.float64)
+    return ((density - epsilon) + (2 * epsilon) * u).reshape(tau.shape)
+
+
+def magprune(
+    task_vectors: torch.Tensor,
+    density: float,
+    epsilon: float,
+    seed: int,
+    tensor_name: str,
+    expert_keys: Sequence[str] | None = None,
+) -> torch.Tensor:
+    """Each tau_i with entries kept at random with probability :func:`keep_probabilities` and divided by it."""
+    out = torch.zeros_like(task_vectors)
+    for i, tau_i in enumerate(task_vectors):
+        key = content_key(tau_i) if expert_keys is None else expert_keys[i]
+        generator = torch.Generator(device="cpu").manual_seed(dare_seed(seed, tensor_name, key))
+        p = keep_probabilities(tau_i.cpu(), density, epsilon)
+        draw = torch.rand(tuple(tau_i.shape), generator=generator, dtype=torch.float64)
+        keep = (draw < p).to(tau_i.device)
+        out[i] = torch.where(keep, tau_i / p.to(device=tau_i.device, dtype=tau_i.dtype), out[i])
+    return out
+
+
+def _probabilities_in_range(params: dict, n: int | None) -> None:
+    low, high = params["density"] - params["epsilon"], params["density"] + params["epsilon"]
+    if not (low > 0 and high <= 1):
+        raise ValueError(
+            f"keep probabilities density -/+ epsilon = {low:g} .. {high:g} must lie in (0, 1]: lower epsilon or "
+            "move density"
+        )
+
+
+@register(
+    "della",
+    citation=DELLA_CITATION,
+    title="DELLA",
+    needs_matrix=False,
+    seeded=True,
+    fixed={"combine": "disjoint_mean"},
+    cost=della_cost,
+    weights="positive",
+    check=_probabilities_in_range,
+    settings=(),  # not in the accuracy benchmark yet
+)
+def della(
+    task_vectors: torch.Tensor,
+    *,
+    combine: Literal["sum", "disjoint_mean"],
+    density: Density = 0.5,
+    epsilon: Epsilon = 0.15,
+    seed: int = 0,
+    scale: float = 1.0,
+    tensor_name: str = "",
+    expert_keys: Sequence[str] | None = None,
+    weights: Sequence[float] | None = None,
+) -> LayerResult:
+    """DELLA: MagPrune each task vector (keep probability rising with magnitude, kept entries rescaled), then
+    elect signs and average the agreeing entries (weighted by the expert weights, as TIES), times lambda.
+
+    Args:
+        density: mean keep probability per entry, in (0, 1]; keep probabilities span density -/+ epsilon.
+        epsilon: half-width of the keep probabilities: density - epsilon (smallest) to density + epsilon
+            (largest magnitude in the row), both within (0, 1].
+        seed: seed of the random draws; the same seed gives the same merge.
+        scale: lambda in merged = W_0 + lambda * disjoint_mean (della_linear: lambda * sum).
+    """
+    pruned = magprune(task_vectors, density, epsilon, seed, tensor_name, expert_keys)
+    return combine_dropped(pruned, combine, scale, weights, {"density": density, "epsilon": epsilon})
+
+
+della_linear = register_variant(
+    "della_linear",
+    della,
+    title="DELLA-linear",
+    summary="DELLA without sign election: the (weighted) sum of the MagPruned task vectors, times lambda.",
+    fixed={"combine": "sum"},
+    settings=(),
+    weights="any",
+)
