@@ -154,3 +154,25 @@ def test_weights_summing_to_zero_refuse_averaged_tensors_in_the_plan(tmp_path, c
     assert "tensor 'model.embed_tokens.weight' is averaged" in err and "sum, which is 0" in err
     assert not (tmp_path / "out").exists()
     assert main([*argv[:-1], "--non-matrix", "keep_base", "-q"]) == 0  # task negation with the rest kept
+
+
+def test_the_json_schema_takes_expert_entries_and_lists_of_float_values():
+    import jsonschema
+
+    from specmerge.pipeline.schema import recipe_schema
+
+    schema = recipe_schema()
+    good = {"base": "b", "experts": [{"path": "x", "weight": 0.7}, "y"], "method": "ties",
+            "params": {"density": [0.2, 0.5, 0.8]}}  # fmt: skip
+    jsonschema.validate(good, schema)
+    Recipe(**good)  # and the recipe agrees
+    for bad in (
+        {**good, "experts": [{"path": "x", "wieght": 1}]},
+        {**good, "params": {"density": [0.2, 1.5]}},
+        {**good, "params": {"density": []}},
+        {**good, "method": "dare_ties", "params": {"seed": [1, 2]}},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+        with pytest.raises(RecipeError):
+            Recipe(**bad)

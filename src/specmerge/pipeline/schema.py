@@ -22,8 +22,33 @@ def _params_by_method(method_key: str, default: str | None) -> list[dict[str, An
         condition: dict[str, Any] = {"properties": {method_key: {"const": name}}}
         if name == default:
             condition = {"anyOf": [condition, {"not": {"required": [method_key]}}]}
-        rules.append({"if": condition, "then": {"properties": {"params": method.params_schema()}}})
+        rules.append({"if": condition, "then": {"properties": {"params": _layered(method.params_schema())}}})
     return rules
+
+
+def _layered(params: dict[str, Any]) -> dict[str, Any]:
+    """A method's params schema where every float parameter may also be a list of values across layers
+    (:mod:`specmerge.pipeline.layered`)."""
+    for name, prop in params.get("properties", {}).items():
+        if prop.get("type") == "number":
+            value = {key: v for key, v in prop.items() if key not in ("default", "description", "title")}
+            layered = {"type": "array", "items": value, "minItems": 1}
+            params["properties"][name] = {**prop, "anyOf": [value, layered]}
+            for key in value:
+                params["properties"][name].pop(key)
+    return params
+
+
+EXPERT_ENTRY = {  # experts: [{path, weight, name}] (pipeline/expert_entries.py)
+    "type": "object",
+    "properties": {
+        "path": {"type": "string", "minLength": 1},
+        "weight": {"type": "number"},
+        "name": {"type": "string"},
+    },
+    "required": ["path"],
+    "additionalProperties": False,
+}
 
 
 def recipe_schema() -> dict[str, Any]:
@@ -34,6 +59,7 @@ def recipe_schema() -> dict[str, Any]:
     default = Recipe.model_fields["method"].default
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["properties"]["method"]["enum"] = names
+    schema["properties"]["experts"]["items"] = {"anyOf": [schema["properties"]["experts"]["items"], EXPERT_ENTRY]}
     schema["allOf"] = _params_by_method("method", default)
     override = schema["$defs"][Override.__name__]
     override["properties"]["method"] = {"anyOf": [{"enum": names}, {"type": "null"}], "default": None}
