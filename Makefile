@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench bench-accuracy clean
+.PHONY: demo test test-install lint bench bench-accuracy clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ lint: $(VENV)/.installed
 test: lint
 	$(BIN)/pytest
 	OMP_NUM_THREADS=1 $(BIN)/pytest -m numerical
+	SPECMERGE_INSTALL_TEST=1 $(BIN)/pytest -m install
+
+# A brand-new virtualenv: `pip install .`, the commands without extras, then `pip install '.[hf]'` and the demo
+# (tests/test_fresh_install.py; about 3 minutes on 2 cores, packages from the registry).
+test-install: $(VENV)/.installed
+	SPECMERGE_INSTALL_TEST=1 $(BIN)/pytest -m install
 
 bench: $(VENV)/.installed
 	$(BIN)/specmerge-bench speed --sets clip --memory

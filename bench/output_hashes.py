@@ -89,6 +89,8 @@ def demo_hashes(threads: int) -> dict[str, str]:
             if method.factored:
                 runs["lora->lora"] = (adapters, "lora")
             for label, (inputs, output_format) in runs.items():
+                if getattr(method, "needs_base", False):  # slerp: the base and one expert
+                    inputs = inputs[:1]
                 target = root / "out" / f"{name}-{label.replace('->', '-')}"
                 specmerge.merge(
                     base, inputs, target, method=name, output_format=output_format, progress=False, threads=threads

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 
-import peft
 import pytest
 import torch
 import transformers
@@ -18,7 +17,7 @@ import specmerge
 from specmerge.errors import RecipeError, SpecmergeError
 from specmerge.io.memory import MemorySource
 from specmerge.io.protocol import SourceError
-from tiny_models import build_family, llama_config
+from tiny_models import build_family, llama_config, random_lora
 
 OVERRIDES = [{"pattern": "*.mlp.*", "action": "average"}, {"pattern": "model.layers.0.*", "action": "keep_base"}]
 CASES = {
@@ -138,15 +137,24 @@ def test_inputs_are_not_modified(family):
         assert_bitwise({k: v.detach() for k, v in sd.items()}, clone)
 
 
+def save_perturbed(base, folder, scale, *, seed, n=2):
+    """``n`` copies of module ``base``, every parameter moved by ``scale`` N(0, 1) noise (seeded; a tied parameter is
+    listed once, so it stays tied), saved as ``folder/e<i>``."""
+    experts = []
+    for i in range(n):
+        expert = copy.deepcopy(base)
+        with torch.no_grad():
+            for k, p in enumerate(expert.parameters()):
+                p.add_(scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + 1000 * i + k)))
+        expert.save_pretrained(folder / f"e{i}")
+        experts.append(expert)
+    return experts
+
+
 def lora_model(base_dir, folder, seed, **lora):
     """A PEFT model of the Llama in ``base_dir`` with a random (non-zero) LoRA adapter, saved to ``folder``."""
     model = transformers.LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    torch.manual_seed(seed)
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **lora))
-    with torch.no_grad():
-        for name, p in wrapped.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.2)
+    wrapped = random_lora(model, seed, **lora)
     wrapped.save_pretrained(folder)
     return wrapped
 
@@ -196,14 +204,7 @@ def tied(tmp_path_factory):
     torch.manual_seed(1)
     base = transformers.LlamaForCausalLM(config)
     base.save_pretrained(root / "base")
-    experts = []
-    for i in range(2):
-        expert = copy.deepcopy(base)
-        with torch.no_grad():
-            for p in expert.parameters():  # a tied parameter is listed once
-                p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i + p.numel())))
-        expert.save_pretrained(root / f"e{i}")
-        experts.append(expert)
+    experts = save_perturbed(base, root, 0.01, seed=0)
     return root, base, experts
 
 
@@ -294,14 +295,7 @@ def test_a_base_modules_config_gives_the_conv1d_layout(tmp_path):
     torch.manual_seed(2)
     base = transformers.GPT2Model(config)
     base.save_pretrained(tmp_path / "base")
-    experts = []
-    for i in range(2):
-        expert = copy.deepcopy(base)
-        with torch.no_grad():
-            for p in expert.parameters():
-                p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(10 + i)))
-        expert.save_pretrained(tmp_path / f"e{i}")
-        experts.append(expert)
+    experts = save_perturbed(base, tmp_path, 0.02, seed=10)
     expected = folder_merge(tmp_path, tmp_path / "base", [tmp_path / "e0", tmp_path / "e1"], method="swudi_a")
     assert_bitwise(specmerge.merge_state_dicts(base, experts, method="swudi_a"), expected)
     bare = specmerge.merge_state_dicts(base.state_dict(), [e.state_dict() for e in experts], method="swudi_a")

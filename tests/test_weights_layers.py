@@ -176,3 +176,15 @@ def test_the_json_schema_takes_expert_entries_and_lists_of_float_values():
             jsonschema.validate(bad, schema)
         with pytest.raises(RecipeError):
             Recipe(**bad)
+
+
+def test_the_dry_run_names_the_weights_and_the_values_across_layers(tmp_path, capsys):
+    write_models(tmp_path)
+    argv = ["merge", str(tmp_path / "base.safetensors"), str(tmp_path / "e0.safetensors"),
+            str(tmp_path / "e1.safetensors"), "-o", str(tmp_path / "out"), "-m", "ties", "-p", "density=[0.2, 0.8]",
+            "--weight", "0.6", "--weight", "0.4", "--dry-run"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "expert weights: 0.6, 0.4 (in expert order)" in out
+    assert "density across layers: 0.2 -> 0.8 (outside the layers 0.2)" in out
+    assert not (tmp_path / "out").exists()

@@ -87,23 +87,29 @@ def dummy_inputs(arch: str) -> dict:
     return {"input_ids": torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))}
 
 
-def save_adapter(base_dir, folder, seed, config=None, *, model=None, with_merged=False, **lora):
-    """A random (non-zero B) PEFT LoRA adapter of ``model`` (default: the Llama in ``base_dir``, or a new one of
-    ``config``); ``with_merged`` also saves its merge_and_unload model next to it (``<folder>-merged``)."""
+def random_lora(model, seed, **lora):
+    """``model`` wrapped by PEFT with a random LoRA adapter (B non-zero, entries N(0, 0.2^2), seeded)."""
     import peft
 
-    if model is None:
-        model = (
-            transformers.LlamaForCausalLM(config)
-            if config
-            else transformers.LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-        )
     torch.manual_seed(seed)
     wrapped = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **lora))
     with torch.no_grad():
         for name, p in wrapped.named_parameters():
             if "lora_" in name:
                 p.normal_(0, 0.2)
+    return wrapped
+
+
+def save_adapter(base_dir, folder, seed, config=None, *, model=None, with_merged=False, **lora):
+    """A random (non-zero B) PEFT LoRA adapter of ``model`` (default: the Llama in ``base_dir``, or a new one of
+    ``config``); ``with_merged`` also saves its merge_and_unload model next to it (``<folder>-merged``)."""
+    if model is None:
+        model = (
+            transformers.LlamaForCausalLM(config)
+            if config
+            else transformers.LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        )
+    wrapped = random_lora(model, seed, **lora)
     wrapped.save_pretrained(folder)
     if with_merged:
         wrapped.merge_and_unload().save_pretrained(folder.parent / f"{folder.name}-merged")

@@ -40,6 +40,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (AccuracyDataError, SpecmergeError, OSError) as err:
         print(f"specmerge-bench {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as err:
+        if (err.name or "").partition(".")[0] not in ("transformers", "tokenizers", "matplotlib"):
+            raise
+        print(
+            f"specmerge-bench {args.command}: error: this benchmark needs {err.name} (optional): "
+            "pip install 'specmerge[bench]'",
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt:
         print(f"specmerge-bench {args.command}: interrupted", file=sys.stderr)
         return 130

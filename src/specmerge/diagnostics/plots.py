@@ -31,7 +31,7 @@ def require_matplotlib() -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise ValueError(
-            "inspect draws its plots with matplotlib: pip install matplotlib (or pass --no-plots)"
+            "inspect draws its plots with matplotlib (optional): pip install 'specmerge[plots]' (or pass --no-plots)"
         ) from None
 
 

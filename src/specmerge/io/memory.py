@@ -25,10 +25,9 @@ from typing import Any
 
 import torch
 
-from specmerge.errors import closest_name
 from specmerge.io.experts import AdapterExpert
 from specmerge.io.peft import AdapterError, LoraAdapter
-from specmerge.io.protocol import Closing, SourceError, TensorInfo
+from specmerge.io.protocol import Closing, SourceError, TensorInfo, no_such_tensor
 
 # Name components of the tensors PEFT adds to a model (LoRA factors, DoRA magnitudes, modules_to_save copies).
 PEFT_COMPONENTS = frozenset(
@@ -110,9 +109,7 @@ class MemorySource(Closing):
     def load(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         tensor = self._tensors.get(name)
         if tensor is None:
-            close = closest_name(name, list(self._tensors))
-            hint = f"did you mean '{close}'? " if close else ""
-            raise SourceError(f"{self.describe()}: no tensor named '{name}'; {hint}({len(self._tensors)} tensors)")
+            raise no_such_tensor(self.describe(), name, list(self._tensors))
         if rows is not None:
             if not tensor.dim() or not 0 <= rows[0] <= rows[1] <= tensor.shape[0]:
                 raise SourceError(f"{self.label}: rows {rows} out of range for tensor '{name}' of {tensor.shape}")

@@ -16,11 +16,18 @@ from typing import Protocol, Self, runtime_checkable
 
 import torch
 
-from specmerge.errors import SpecmergeError
+from specmerge.errors import SpecmergeError, closest_name
 
 
 class SourceError(SpecmergeError):
     """A checkpoint cannot be opened or read; the message names the file or tensor and what to do."""
+
+
+def no_such_tensor(where: str, name: str, names: list[str]) -> SourceError:
+    """The error for a tensor ``name`` that the source ``where`` does not hold, with the closest of its ``names``."""
+    close = closest_name(name, names)
+    hint = f"did you mean '{close}'? " if close else ""
+    return SourceError(f"{where}: no tensor named '{name}'; {hint}({len(names)} tensors)")
 
 
 @dataclass(frozen=True)

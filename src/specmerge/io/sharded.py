@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from specmerge.errors import closest_name
-from specmerge.io.protocol import Closing, SourceError, TensorInfo
+from specmerge.io.protocol import Closing, SourceError, TensorInfo, no_such_tensor
 
 
 class ShardedSource(Closing):
@@ -65,9 +64,7 @@ class ShardedSource(Closing):
         self.infos()
         file = self._where.get(name)
         if file is None:
-            close = closest_name(name, list(self._where))
-            hint = f"did you mean '{close}'? " if close else ""
-            raise SourceError(f"{self.describe()}: no tensor named '{name}'; {hint}({len(self._where)} tensors)")
+            raise no_such_tensor(self.describe(), name, list(self._where))
         if rows is not None:
             shape = self._infos[name].shape
             if not shape or not 0 <= rows[0] <= rows[1] <= shape[0]:

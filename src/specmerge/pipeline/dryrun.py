@@ -80,6 +80,7 @@ def dry_run(
         estimate = {
             "method": recipe.method,
             "params": recipe.params,
+            "expert_weights": recipe.expert_weights,
             "output": None if output is None else os.fspath(output),  # as given
             "output_format": recipe.output_format,
             "device": str(options.device),
@@ -255,6 +256,19 @@ def _reasons(reasons: dict[str, int]) -> str:
     return "; ".join(f"{reason} ({count})" for reason, count in reasons.items())
 
 
+def _settings(estimate: dict[str, Any]) -> list[str]:
+    """Lines for the expert weights and the values that vary across layers, when there are any."""
+    lines = []
+    if estimate.get("expert_weights"):
+        lines.append(f"expert weights: {', '.join(f'{w:g}' for w in estimate['expert_weights'])} (in expert order)")
+    for key, value in estimate["params"].items():
+        if isinstance(value, list):
+            lines.append(
+                f"{key} across layers: {' -> '.join(f'{v:g}' for v in value)} (outside the layers {value[0]:g})"
+            )
+    return lines
+
+
 def format_estimate(estimate: dict[str, Any]) -> str:
     """The dry run's estimate as text: the grouped plan, the routes, bytes, peak memory, time and assumptions."""
     total, peak = estimate["total"], estimate["peak_memory"]
@@ -264,6 +278,7 @@ def format_estimate(estimate: dict[str, Any]) -> str:
         f"compute: {estimate['compute_dtype']} on {estimate['device']}, {estimate['threads']} thread"
         f"{'' if estimate['threads'] == 1 else 's'} "
         f"({estimate['threads_from']})",
+        *_settings(estimate),
         "",
     ]
     header = ("tensors", "shape", "action", "method", "route", "read", "write", "time", "reasons")
