@@ -74,6 +74,8 @@ def test_expert_entries_with_weights_and_names():
         ({"experts": ["x"], "method": "dare_ties", "params": {"seed": [1, 2]}}, "only float parameters take a list"),
         ({"experts": ["x", "y"], "method": "slerp"}, "the base and one expert, but 2 experts"),
         ({"experts": ["x"], "method": "model_stock"}, "at least two experts"),
+        ({"experts": ["x", "y"], "expert_weights": [1.0, -1.0], "method": "linear"}, "sum to 0, and the mean"),
+        ({"experts": ["x", "y"], "expert_weights": [1.0, -1.0], "method": "weight_average"}, "sum to 0"),
         ({"experts": ["x"], "method": "della", "params": {"density": [0.3, 0.9], "epsilon": 0.2}},
          "value 1 of the list for 'density'"),
     ],
@@ -188,3 +190,17 @@ def test_the_dry_run_names_the_weights_and_the_values_across_layers(tmp_path, ca
     assert "expert weights: 0.6, 0.4 (in expert order)" in out
     assert "density across layers: 0.2 -> 0.8 (outside the layers 0.2)" in out
     assert not (tmp_path / "out").exists()
+
+
+def test_a_scale_across_layers_also_scales_averaged_tensors_with_scale_non_matrix(tmp_path):
+    base, experts = write_models(tmp_path)
+    argv = ["merge", str(tmp_path / "base.safetensors"), str(tmp_path / "e0.safetensors"),
+            str(tmp_path / "e1.safetensors"), "-o", str(tmp_path / "out"), "-m", "swudi_a", "-p", "scale=[0.5, 1]",
+            "--scale-non-matrix", "--weight", "1", "--weight", "3", "-q"]  # fmt: skip
+    assert main(argv) == 2  # swudi_a takes no weights: refused before anything is read
+    argv = [a for a in argv if a not in ("--weight", "1", "3")]
+    assert main(argv) == 0
+    merged = load_file(tmp_path / "out" / "model.safetensors")
+    name = "model.norm.weight"  # 1-D, averaged, outside the layers: the first scale, 0.5
+    expected = base[name] + 0.5 * ((experts[0][name] - base[name]) + (experts[1][name] - base[name])) / 2
+    torch.testing.assert_close(merged[name], expected, rtol=0, atol=4 * torch.finfo(torch.float32).eps * 4)

@@ -14,6 +14,7 @@ from typing import Any
 
 from specmerge.errors import RecipeError, unknown_name_message
 from specmerge.methods import get_method
+from specmerge.pipeline.layered import at_position
 
 ENTRY_KEYS = ("path", "weight", "name")
 WEIGHTS_HELP = (
@@ -70,10 +71,16 @@ def normalize_weights(weights: Sequence[float] | None, n_experts: int | None) ->
     return None if all(w == 1 for w in weights) else [float(w) for w in weights]
 
 
-def check_weights(weights: Sequence[float] | None, methods: Sequence[str]) -> None:
-    """Refuse weights that a method the recipe uses does not define (one line)."""
-    for name in dict.fromkeys(methods):
+def check_weights(weights: Sequence[float] | None, uses: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
+    """Refuse weights that a method the recipe uses (name, params) does not define, or on which it cannot compute
+    (a weighted mean of weights summing to 0), in one line."""
+    if weights is None:
+        return
+    for name, params in uses:
+        method = get_method(name)
         try:
-            get_method(name).check_weights(weights, len(weights) if weights else None)
+            method.check_weights(weights, len(weights))
+            if method.linear:  # its coefficients, from the first value of any list across layers
+                method.linear_coefficient(at_position(params, None), len(weights), weights)
         except ValueError as err:
             raise RecipeError(str(err)) from None

@@ -311,8 +311,8 @@ class Recipe(BaseModel):
     def _lora_only_options(self) -> Recipe:
         if self.max_rank is not None and self.output_format != "lora":
             raise RecipeError("max_rank applies only to output_format lora; remove it or set output_format: lora")
-        merging = [o.method or self.method for o in self.overrides if o.action == "merge"]
-        check_weights(self.expert_weights, [self.method, *merging])
+        merging = [(o.method or self.method, o.params) for o in self.overrides if o.action == "merge"]
+        check_weights(self.expert_weights, [(self.method, self.params), *merging])
         return self
 
 
