@@ -16,6 +16,12 @@ LAYERS = 3
 NAMES = [f"model.layers.{i}.mlp.weight" for i in range(LAYERS)] + ["model.embed_tokens.weight", "model.norm.weight"]
 
 
+def close_to(merged: torch.Tensor, expected: torch.Tensor, msg: str = "") -> None:
+    """Equal up to float32 rounding of a few operations on values of this size: 8 eps (max |expected| + 1)."""
+    atol = 8 * torch.finfo(torch.float32).eps * (float(expected.abs().max()) + 1)
+    torch.testing.assert_close(merged, expected.to(merged.dtype), rtol=0, atol=atol, msg=msg)
+
+
 def write_models(tmp_path, n_experts=2):
     """Base and experts as single safetensors files: three numbered layers, an embedding and a norm."""
     g = torch.Generator().manual_seed(0)
@@ -104,8 +110,7 @@ def test_weights_and_a_per_layer_list_from_a_recipe_file(tmp_path):
     for name, scale in scales.items():
         tau = [e[name] - base[name] for e in experts]
         expected = base[name] + scale * (3.0 * tau[0] + 1.0 * tau[1])
-        eps = torch.finfo(torch.float32).eps * 8 * float(expected.abs().max() + 1)
-        torch.testing.assert_close(merged[name], expected, rtol=0, atol=eps, msg=name)
+        close_to(merged[name], expected, name)
 
 
 def test_weights_on_the_command_line_and_the_weighted_average_of_other_tensors(tmp_path):
@@ -118,7 +123,7 @@ def test_weights_on_the_command_line_and_the_weighted_average_of_other_tensors(t
     merged = load_file(out / "model.safetensors")
     name = "model.embed_tokens.weight"  # averaged (non_matrix): the weighted mean
     expected = base[name] + 0.25 * (experts[0][name] - base[name]) + 0.75 * (experts[1][name] - base[name])
-    torch.testing.assert_close(merged[name], expected, rtol=0, atol=8 * torch.finfo(torch.float32).eps * 4)
+    close_to(merged[name], expected)
     name = "model.layers.1.mlp.weight"  # weighted TIES without trim: same signs -> weighted mean
     tau = torch.stack([e[name] - base[name] for e in experts])
     w = torch.tensor([0.25, 0.75]).view(2, 1, 1)
@@ -126,7 +131,7 @@ def test_weights_on_the_command_line_and_the_weighted_average_of_other_tensors(t
     agree = (tau * sign) > 0
     expected = base[name] + (w * tau * agree).sum(0) / (w * agree).sum(0).clamp(min=1e-30)
     expected = torch.where(agree.any(0), expected, base[name])
-    torch.testing.assert_close(merged[name], expected, rtol=1e-6, atol=1e-6)
+    close_to(merged[name], expected)
     report = (out / "recipe.yaml").read_text()
     assert "expert_weights:\n- 0.25\n- 0.75" in report
 
@@ -143,7 +148,7 @@ def test_slerp_with_a_per_layer_t_on_the_command_line(tmp_path):
     w0, w1 = base["model.layers.1.mlp.weight"].double(), experts[0]["model.layers.1.mlp.weight"].double()
     theta = torch.acos((w0 * w1).sum() / (w0.norm() * w1.norm()))
     expected = (torch.sin(theta / 2) * (w0 + w1) / torch.sin(theta)).float()  # t = 1/2
-    torch.testing.assert_close(merged["model.layers.1.mlp.weight"], expected, rtol=1e-6, atol=1e-6)
+    close_to(merged["model.layers.1.mlp.weight"], expected)
 
 
 def test_weights_summing_to_zero_refuse_averaged_tensors_in_the_plan(tmp_path, capsys):
@@ -203,4 +208,4 @@ def test_a_scale_across_layers_also_scales_averaged_tensors_with_scale_non_matri
     merged = load_file(tmp_path / "out" / "model.safetensors")
     name = "model.norm.weight"  # 1-D, averaged, outside the layers: the first scale, 0.5
     expected = base[name] + 0.5 * ((experts[0][name] - base[name]) + (experts[1][name] - base[name])) / 2
-    torch.testing.assert_close(merged[name], expected, rtol=0, atol=4 * torch.finfo(torch.float32).eps * 4)
+    close_to(merged[name], expected)
