@@ -37,11 +37,11 @@ def test_chunked_linear_merge_equals_the_stacked_route(action, method, params, d
     stack = torch.stack([e.float() - base.float() for e in experts])
     if action == "average":
         delta = params["scale"] * stack.mean(0)
-        assert diagnostics == {"route": "dense"}
+        assert diagnostics == {"route": "linear"}
     else:
         result = get_method(method)(stack, **params)
         delta = result.delta
-        assert diagnostics["n_experts"] == 4 and diagnostics["route"] == "dense"
+        assert diagnostics["n_experts"] == 4 and diagnostics["route"] == "linear"
         assert diagnostics["delta_norm"] == pytest.approx(result.diagnostics["delta_norm"], rel=1e-5)
     expected = (base.float() + delta).to(dtype)
     assert merged.dtype == dtype and merged.shape == base.shape

@@ -80,6 +80,23 @@ def slerp(task_vectors: torch.Tensor, *, t: float = 0.5, base: torch.Tensor) -> 
     return LayerResult(delta, {"n_experts": 1, "slerp_weights": [a, b]})
 
 
+def row_grams(rows: torch.Tensor, block: int = 2**18) -> torch.Tensor:
+    """The Gram matrices tau_i . tau_j of each row (N x rows x cols -> rows x N x N), in float64, formed from blocks
+    of about ``block`` entries per expert converted at a time (not a float64 copy of the stack)."""
+    n, count, cols = rows.shape
+    gram = torch.zeros(count, n, n, dtype=torch.float64, device=rows.device)
+    if count == 1:
+        for start in range(0, cols, block):
+            part = rows[:, 0, start : start + block].double()
+            gram[0] += part @ part.T
+        return gram
+    step = max(1, block // max(cols, 1))
+    for start in range(0, count, step):
+        part = rows[:, start : start + step].double()  # n x b x cols
+        gram[start : start + step] = torch.einsum("ibx,jbx->bij", part, part)
+    return gram
+
+
 def _two_or_more(params: dict, n: int | None) -> None:
     if n is not None and n < 2:
         raise ValueError(f"it needs at least two experts (it measures the angle between their task vectors); got {n}")
@@ -107,17 +124,18 @@ def model_stock(task_vectors: torch.Tensor, *, filter_wise: bool = False) -> Lay
     """
     n = task_vectors.shape[0]
     rows = task_vectors.reshape(n, task_vectors.shape[1] if filter_wise and task_vectors.dim() > 2 else 1, -1)
-    flat = rows.double()
-    norms = torch.linalg.vector_norm(flat, dim=2)  # n x rows
-    cos = torch.zeros(flat.shape[1], dtype=torch.float64, device=flat.device)
+    gram = row_grams(rows)  # rows x n x n, float64
+    norms = gram.diagonal(dim1=1, dim2=2).sqrt()
+    cos = torch.zeros(rows.shape[1], dtype=torch.float64, device=rows.device)
     for i in range(n):
         for j in range(i + 1, n):
-            product = norms[i] * norms[j]
-            pair = (flat[i] * flat[j]).sum(dim=1) / torch.where(product > 0, product, 1.0)
+            product = norms[:, i] * norms[:, j]
+            pair = gram[:, i, j] / torch.where(product > 0, product, 1.0)
             cos += torch.where(product > 0, pair.clamp(-1, 1), 0.0)
     cos /= n * (n - 1) / 2
     denominator = 1 + (n - 1) * cos
-    t = torch.where(denominator.abs() < 1e-6, 0.0, n * cos / torch.where(denominator.abs() < 1e-6, 1.0, denominator))
+    singular = denominator.abs() < 1e-6
+    t = torch.where(singular, 0.0, n * cos / torch.where(singular, 1.0, denominator))
     mean = task_vectors.mean(dim=0)
     delta = mean.reshape(rows.shape[1], -1).mul_(t.to(mean.dtype).unsqueeze(1)).reshape(mean.shape)
     return LayerResult(delta, {"n_experts": n, "model_stock_t": float(t.mean()), "cos_theta": float(cos.mean())})

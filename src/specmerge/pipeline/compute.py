@@ -6,7 +6,7 @@ what the method declares and what the experts hold, never by names:
 
 - ``keep_base``: W_0, cast;
 - linear merges (averages, and methods that declare ``Method.linear``: weight average, task arithmetic) of
-  full checkpoints on the CPU: W_0 + c * sum_i tau_i in cache-sized chunks (:func:`linear_merge`);
+  full checkpoints on the CPU: W_0 + sum_i c_i tau_i in cache-sized chunks (:func:`linear_merge`);
 - every expert a LoRA adapter (or not changing the tensor), on a 2-D weight, with an average or a method
   that declares ``Method.factored``: the exact merge on the factors (``factored``), no d_out x d_in stack;
 - otherwise ``dense``: the N x ... stack (:func:`specmerge.io.task_vectors.task_vector_stack`) and the method.
@@ -37,7 +37,7 @@ CHUNK_ELEMENTS = 2**18  # linear merges on the CPU run in chunks this long: ever
 Route = Literal["keep_base", "linear", "unchanged", "factored", "sum", "dense"]
 ROUTES: dict[str, str] = {  # what each route does, in words (the dry run prints them)
     "keep_base": "W_0 copied (cast to the output dtype)",
-    "linear": "W_0 + c * sum_i tau_i in cache-sized chunks, row block by row block",
+    "linear": "W_0 + sum_i c_i tau_i in cache-sized chunks, row block by row block",
     "unchanged": "no expert changes it: W_0 copied",
     "factored": "exact merge on the LoRA factors, no d_out x d_in stack",
     "sum": "average as a running sum (two buffers)",
@@ -153,7 +153,7 @@ def merged_delta(
         delta.div_(n).mul_(entry.params.get("scale", 1.0))
         if not all_finite(delta):  # NaN or Inf in any input reaches the sum (inf * 0 is NaN)
             refuse_nonfinite(entry, base_c, values)
-        return delta, {"route": "dense"}
+        return delta, {"route": "sum"}
     stack = task_vector_stack(values, base_c, dtype=compute_dtype, device=device, shape=shape)
     if not all_finite(stack):  # before the method: TIES would drop NaN, TSV-M an expert, silently
         refuse_nonfinite(entry, base_c, values)
@@ -277,8 +277,8 @@ def linear_merge(
         squares += chunk_squares
         flat_out[start:stop].copy_(a.add_(b))
     if entry.action == "average":
-        return out, {"route": "dense"}
-    return out, {"n_experts": len(weights), "delta_norm": math.sqrt(squares), "route": "dense"}
+        return out, {"route": "linear"}
+    return out, {"n_experts": len(weights), "delta_norm": math.sqrt(squares), "route": "linear"}
 
 
 def _recheck_chunk(
