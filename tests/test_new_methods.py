@@ -96,11 +96,11 @@ def test_model_stock_filter_wise_takes_one_angle_per_row():
 def test_della_keep_probabilities_follow_the_magnitude_rank_in_each_row():
     tau = torch.tensor([[0.1, -3.0, 2.0, 0.5], [4.0, 0.0, -1.0, 2.0]], dtype=D)
     # ranks 0..3 by |.|, u = rank / 3, p = 0.5 - 0.15 + 0.3 u
-    expected = torch.tensor([[0.35, 0.65, 0.55, 0.45], [0.65, 0.35, 0.45, 0.55]], dtype=D)
+    expected = torch.tensor([[0.35, 0.65, 0.55, 0.45], [0.65, 0.35, 0.45, 0.55]])  # float32, as computed
     torch.testing.assert_close(keep_probabilities(tau, 0.5, 0.15), expected)
     equal = torch.ones(1, 3, dtype=D)  # equal magnitudes rank in storage order
-    torch.testing.assert_close(keep_probabilities(equal, 0.5, 0.1), torch.tensor([[0.4, 0.5, 0.6]], dtype=D))
-    torch.testing.assert_close(keep_probabilities(torch.ones(1), 0.5, 0.1), torch.tensor([0.5], dtype=D))
+    torch.testing.assert_close(keep_probabilities(equal, 0.5, 0.1), torch.tensor([[0.4, 0.5, 0.6]]))
+    torch.testing.assert_close(keep_probabilities(torch.ones(1), 0.5, 0.1), torch.tensor([0.5]))
 
 
 def test_magprune_keeps_entries_divided_by_their_probability_and_is_seeded():
@@ -118,6 +118,14 @@ def test_magprune_keeps_entries_divided_by_their_probability_and_is_seeded():
     assert 0.59 < float(top) < 0.65 and 0.35 < float(bottom) < 0.41
     torch.testing.assert_close(magprune(tau, 0.5, 0.15, seed=3, tensor_name="w"), pruned, rtol=0, atol=0)
     assert not torch.equal(magprune(tau, 0.5, 0.15, seed=4, tensor_name="w"), pruned)
+    # epsilon 0: every probability is the density (no ranks); density 1 as well: nothing dropped
+    flat = magprune(tau, 0.4, 0.0, seed=3, tensor_name="w")
+    kept = flat != 0
+    torch.testing.assert_close(
+        flat[kept], (tau / torch.tensor(0.4, dtype=torch.float32).double())[kept], rtol=0, atol=0
+    )
+    assert abs(float(kept.double().mean()) - 0.4) < 6 * math.sqrt(0.24 / kept.numel())
+    assert torch.equal(magprune(tau, 1.0, 0.0, seed=3, tensor_name="w"), tau)
 
 
 def test_della_without_dropping_is_ties_without_trim_and_della_linear_the_sum():

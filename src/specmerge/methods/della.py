@@ -35,15 +35,17 @@ def della_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
 
 
 def keep_probabilities(tau: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
-    """p = density - epsilon + 2 epsilon u per entry of ``tau``, u its magnitude rank in its row over (row length
-    - 1) (0 the smallest; equal magnitudes ranked in storage order; u = 1/2 for a row of one). A 1-D tensor is one
-    row; a tensor of more dimensions has rows along its first axis."""
+    """p = density - epsilon + 2 epsilon u per entry of ``tau`` (float32), u its magnitude rank in its row over (row
+    length - 1) (0 the smallest; equal magnitudes ranked in storage order; u = 1/2 for a row of one). A 1-D tensor
+    is one row; a tensor of more dimensions has rows along its first axis."""
     rows = tau.reshape(1, -1) if tau.dim() < 2 else tau.reshape(tau.shape[0], -1)
     length = rows.shape[1]
+    if length < 2:
+        return torch.full(tau.shape, density, dtype=torch.float32, device=tau.device)
     order = torch.argsort(rows.abs(), dim=1, stable=True)
     ranks = torch.empty_like(order).scatter_(1, order, torch.arange(length, device=tau.device).expand_as(order))
-    u = ranks.to(torch.float64) / (length - 1) if length > 1 else torch.full(rows.shape, 0.5, dtype=torch.float64)
-    return ((density - epsilon) + (2 * epsilon) * u).reshape(tau.shape)
+    u = ranks.to(torch.float32).div_(length - 1)
+    return u.mul_(2 * epsilon).add_(density - epsilon).reshape(tau.shape)
 
 
 def magprune(
@@ -54,15 +56,23 @@ def magprune(
     tensor_name: str,
     expert_keys: Sequence[str] | None = None,
 ) -> torch.Tensor:
-    """Each tau_i with entries kept at random with probability :func:`keep_probabilities` and divided by it."""
+    """Each tau_i with entries kept at random with probability :func:`keep_probabilities` and divided by it.
+
+    The draws are float32 uniforms on the CPU from the expert's own generator (as DARE's). With epsilon 0 every
+    probability is ``density`` (no ranking needed); with density 1 too, every entry is kept as it is.
+    """
+    if epsilon == 0 and density == 1:
+        return task_vectors.clone()
     out = torch.zeros_like(task_vectors)
     for i, tau_i in enumerate(task_vectors):
         key = content_key(tau_i) if expert_keys is None else expert_keys[i]
         generator = torch.Generator(device="cpu").manual_seed(dare_seed(seed, tensor_name, key))
-        p = keep_probabilities(tau_i.cpu(), density, epsilon)
-        draw = torch.rand(tuple(tau_i.shape), generator=generator, dtype=torch.float64)
-        keep = (draw < p).to(tau_i.device)
-        out[i] = torch.where(keep, tau_i / p.to(device=tau_i.device, dtype=tau_i.dtype), out[i])
+        draw = torch.rand(tuple(tau_i.shape), generator=generator, dtype=torch.float32).to(tau_i.device)
+        if epsilon == 0:
+            p = torch.tensor(density, dtype=torch.float32, device=tau_i.device)
+        else:
+            p = keep_probabilities(tau_i, density, epsilon)
+        out[i] = torch.where(draw < p, tau_i / p.to(tau_i.dtype), out[i])
     return out
 
 

@@ -8,6 +8,7 @@ them in the compute dtype.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -35,9 +36,9 @@ def slerp_coefficients(w0: torch.Tensor, w1: torch.Tensor, t: float) -> tuple[fl
     """(a, b) with slerp(t; w0, w1) = a w0 + b w1: the angle theta between w0 and w1 (each normalized by its norm,
     unless below :data:`NORM_FLOOR`), a = sin((1 - t) theta) / sin(theta), b = sin(t theta) / sin(theta); the
     linear (1 - t, t) when |cos theta| > :data:`DOT_THRESHOLD` (collinear or opposite: no unique arc)."""
-    x, y = w0.reshape(-1).double(), w1.reshape(-1).double()
-    nx, ny = float(torch.linalg.vector_norm(x)), float(torch.linalg.vector_norm(y))
-    dot = float(torch.dot(x, y)) / ((nx if nx > NORM_FLOOR else 1.0) * (ny if ny > NORM_FLOOR else 1.0))
+    gram = vector_gram([w0.reshape(-1), w1.reshape(-1)])
+    nx, ny = math.sqrt(float(gram[0, 0])), math.sqrt(float(gram[1, 1]))
+    dot = float(gram[0, 1]) / ((nx if nx > NORM_FLOOR else 1.0) * (ny if ny > NORM_FLOOR else 1.0))
     dot = max(-1.0, min(1.0, dot))
     if abs(dot) > DOT_THRESHOLD:
         return 1.0 - t, t
@@ -80,16 +81,22 @@ def slerp(task_vectors: torch.Tensor, *, t: float = 0.5, base: torch.Tensor) -> 
     return LayerResult(delta, {"n_experts": 1, "slerp_weights": [a, b]})
 
 
+def vector_gram(vectors: Sequence[torch.Tensor], block: int = 2**18) -> torch.Tensor:
+    """x_i . x_j of 1-D tensors of one length (N x N, float64), ``block`` entries of each converted at a time."""
+    gram = torch.zeros(len(vectors), len(vectors), dtype=torch.float64, device=vectors[0].device)
+    for start in range(0, vectors[0].numel(), block):
+        part = torch.stack([v[start : start + block] for v in vectors]).double()
+        gram += part @ part.T
+    return gram
+
+
 def row_grams(rows: torch.Tensor, block: int = 2**18) -> torch.Tensor:
     """The Gram matrices tau_i . tau_j of each row (N x rows x cols -> rows x N x N), in float64, formed from blocks
     of about ``block`` entries per expert converted at a time (not a float64 copy of the stack)."""
     n, count, cols = rows.shape
-    gram = torch.zeros(count, n, n, dtype=torch.float64, device=rows.device)
     if count == 1:
-        for start in range(0, cols, block):
-            part = rows[:, 0, start : start + block].double()
-            gram[0] += part @ part.T
-        return gram
+        return vector_gram(list(rows[:, 0]), block)[None]
+    gram = torch.zeros(count, n, n, dtype=torch.float64, device=rows.device)
     step = max(1, block // max(cols, 1))
     for start in range(0, count, step):
         part = rows[:, start : start + step].double()  # n x b x cols
