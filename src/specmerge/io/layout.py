@@ -175,7 +175,14 @@ def transposed_weights(
     transposed: the Conv1D weights that the base's config.json implies, and the weights that ``experts``
     (:class:`specmerge.io.experts.Expert`) say are stored so (adapters with ``fan_in_fan_out``: it covers a
     base given as a single file)."""
-    names = set(stored_in_out(read_config(base), infos))
+    return weights_stored_in_out(read_config(base), infos, experts)
+
+
+def weights_stored_in_out(
+    config: Mapping[str, Any] | None, infos: Mapping[str, Any], experts: Sequence[Any] = ()
+) -> frozenset[str]:
+    """:func:`transposed_weights` from the base's parsed config (None: none) instead of its folder."""
+    names = set(stored_in_out(config, infos))
     for expert in experts:
         names.update(expert.stored_in_out_weights())
     return frozenset(names)

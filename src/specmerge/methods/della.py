@@ -4,7 +4,7 @@ MagPrune (Deep et al.): within each row of tau_i, entries are ranked by |tau_i|;
 rank u in [0, 1] (0 the smallest, 1 the largest) is kept with probability p(u) = density - epsilon + 2 epsilon u
 and, kept, divided by p(u), so that every entry is unbiased. Then, as in TIES, signs are elected and the
 agreeing entries averaged (``della``), or the sparsified task vectors are summed (``della_linear``). The random
-draws are DARE's (:func:`specmerge.methods.sparse.dare_seed`): a function of (seed, tensor name, the expert's
+draws are DARE's (:func:`specmerge.methods.sparse.uniform_draws`): a function of (seed, tensor name, the expert's
 task vector), the same on every device and in every order.
 """
 
@@ -18,7 +18,7 @@ from pydantic import Field
 
 from specmerge.methods.operations import Operations, Shape, numel, passes
 from specmerge.methods.registry import LayerResult, register, register_variant
-from specmerge.methods.sparse import Density, combine_dropped, content_key, dare_seed
+from specmerge.methods.sparse import Density, combine_dropped, mask_keys, uniform_draws
 
 DELLA_CITATION = (
     "Deep et al., DELLA-Merging: Reducing Interference in Model Merging through Magnitude-Based Sampling, 2024"
@@ -64,10 +64,9 @@ def magprune(
     if epsilon == 0 and density == 1:
         return task_vectors.clone()
     out = torch.zeros_like(task_vectors)
-    for i, tau_i in enumerate(task_vectors):
-        key = content_key(tau_i) if expert_keys is None else expert_keys[i]
-        generator = torch.Generator(device="cpu").manual_seed(dare_seed(seed, tensor_name, key))
-        draw = torch.rand(tuple(tau_i.shape), generator=generator, dtype=torch.float32).to(tau_i.device)
+    for i, key in enumerate(mask_keys(task_vectors, expert_keys, tensor_name)):
+        tau_i = task_vectors[i]
+        draw = uniform_draws(tau_i.shape, seed, tensor_name, key).to(tau_i.device)
         if epsilon == 0:
             p = torch.tensor(density, dtype=torch.float32, device=tau_i.device)
         else:

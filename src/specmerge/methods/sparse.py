@@ -82,13 +82,10 @@ def disjoint_mean(
     zero = sign.new_zeros(())
     for i, tau_i in enumerate(task_vectors):  # one expert at a time: no N x tensor temporaries
         agree = (tau_i * sign) > 0  # the same non-zero sign (sign is -1, 0 or +1)
-        if weights is None:
-            total.add_(torch.where(agree, tau_i, zero))
-            count.add_(agree)
-        else:
-            total.add_(torch.where(agree, tau_i, zero), alpha=weights[i])
-            count.add_(agree, alpha=weights[i])
-    return total.div_(count.clamp_(min=1) if weights is None else torch.where(count > 0, count, 1))
+        w_i = 1.0 if weights is None else weights[i]  # alpha 1 adds exactly as without it
+        total.add_(torch.where(agree, tau_i, zero), alpha=w_i)
+        count.add_(agree, alpha=w_i)
+    return total.div_(torch.where(count > 0, count, 1))  # no agreeing expert: 0 / 1
 
 
 @register(
@@ -175,10 +172,29 @@ def dare_mask(
     the CPU from its own generator, so it is the same on every device, in every processing order,
     and it leaves the global random state untouched.
     """
+    keep = uniform_draws(shape, seed, tensor_name, expert_key) >= drop_rate
+    return keep if device is None else keep.to(device)
+
+
+def uniform_draws(shape: Sequence[int] | torch.Size, seed: int, tensor_name: str, expert_key: str) -> torch.Tensor:
+    """float32 uniforms in [0, 1) on the CPU from a generator of their own, seeded by :func:`dare_seed`: the same
+    draws on every device and in every order, and the global random state untouched (DARE's and DELLA's masks)."""
     generator = torch.Generator(device="cpu")
     generator.manual_seed(dare_seed(seed, tensor_name, expert_key))
-    keep = torch.rand(tuple(shape), generator=generator, dtype=torch.float32) >= drop_rate
-    return keep if device is None else keep.to(device)
+    return torch.rand(tuple(shape), generator=generator, dtype=torch.float32)
+
+
+def mask_keys(task_vectors: torch.Tensor, expert_keys: Sequence[str] | None, tensor_name: str) -> list[str]:
+    """The key of each expert's random mask, in stack order: ``expert_keys``, or by default each task vector's own
+    :func:`content_key`; one per expert."""
+    n = task_vectors.shape[0]
+    keys = [content_key(task_vectors[i]) for i in range(n)] if expert_keys is None else list(expert_keys)
+    if len(keys) != n:
+        raise ValueError(
+            f"tensor '{tensor_name or '?'}': got {len(keys)} expert keys for a stack of {n} experts; "
+            "pass one key per expert, in stack order"
+        )
+    return keys
 
 
 def dare(
@@ -195,13 +211,7 @@ def dare(
     so a merge is a function of the weights, the recipe and ``seed`` (copies of the experts in renamed folders
     give the same masks).
     """
-    n = task_vectors.shape[0]
-    keys = [content_key(task_vectors[i]) for i in range(n)] if expert_keys is None else list(expert_keys)
-    if len(keys) != n:
-        raise ValueError(
-            f"tensor '{tensor_name or '?'}': got {len(keys)} expert keys for a stack of {n} experts; "
-            "pass one key per expert, in stack order"
-        )
+    keys = mask_keys(task_vectors, expert_keys, tensor_name)
     if drop_rate == 0:
         return task_vectors.clone()
     rescale = 1.0 / (1.0 - drop_rate)

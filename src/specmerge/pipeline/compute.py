@@ -29,6 +29,7 @@ from specmerge.io.layout import CONV1D_LAYOUT, transpose_result
 from specmerge.io.task_vectors import Dense, TaskVector, low_rank_deltas, task_vector_stack, task_vector_sum
 from specmerge.linalg.lowrank import AdapterFactors, FactoredResult, adapter_factors
 from specmerge.methods import get_method
+from specmerge.methods.linear import weighted_sum
 from specmerge.pipeline.finite import all_finite, check_inputs, refuse_nonfinite
 from specmerge.pipeline.plan import TensorPlan
 
@@ -158,10 +159,7 @@ def merged_delta(
     if not all_finite(stack):  # before the method: TIES would drop NaN, TSV-M an expert, silently
         refuse_nonfinite(entry, base_c, values)
     if method is None:  # a weighted average of some LoRA and some full experts: the stack, weighted
-        delta = torch.zeros_like(stack[0])
-        for c, tau_i in zip(linear_coefficient(entry, n, weights), stack, strict=True):
-            delta.add_(tau_i, alpha=c)
-        return delta, {"route": "dense"}
+        return weighted_sum(stack, linear_coefficient(entry, n, weights)), {"route": "dense"}
     whole = {"base": base_c} if method.needs_base else {}
     result = method(
         stack, dtype=compute_dtype, tensor_name=entry.name, expert_keys=expert_keys, weights=weights, **whole,

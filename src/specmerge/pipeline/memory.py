@@ -29,7 +29,7 @@ import torch
 
 from specmerge.errors import RecipeError
 from specmerge.io.experts import CheckpointExpert, Expert
-from specmerge.io.layout import stored_in_out
+from specmerge.io.layout import weights_stored_in_out
 from specmerge.io.memory import (
     MemoryAdapterExpert,
     MemorySource,
@@ -196,10 +196,8 @@ def memory_plan(
     for expert, key in zip(experts, keys, strict=True):
         if isinstance(expert, CheckpointExpert) and isinstance(expert.source, MemorySource):
             check_ties(base.aliases, expert.source.aliases, f"expert '{key}'")
-    transposed = set(stored_in_out(config, base.infos()))
-    for expert in experts:
-        transposed.update(expert.stored_in_out_weights())
-    return make_plan(recipe, base.infos(), [e.infos() for e in experts], keys, frozenset(transposed))
+    transposed = weights_stored_in_out(config, base.infos(), experts)
+    return make_plan(recipe, base.infos(), [e.infos() for e in experts], keys, transposed)
 
 
 def check_ties(base: Mapping[str, str], expert: Mapping[str, str], label: str) -> None:
