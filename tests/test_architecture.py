@@ -31,6 +31,7 @@ LAYERS = {
     "io": 2,
     "pipeline": 3,
     "diagnostics": 4,
+    "tuning": 4,
     "cli": 5,
     "demo": 5,
     "__init__": 5,

@@ -2,15 +2,19 @@
 
 For a filter h, tau_hat = tau_init + (D - tau_init C) Q diag(h_k / lambda_k) Q^T. SWUDI, SWUDI-A, the plain
 closed form D C^+ and the generic filter family are all one call of :func:`spectral_merge` with a different
-filter. :func:`shared_decompositions` lets a parameter sweep reuse one layer's decomposition.
+filter. :func:`shared_decompositions` lets a parameter sweep reuse one layer's decomposition. The merge is two steps:
+a layer's :class:`Projection` (its spectrum, start and right-hand sides B Q, formed from the task vectors or read
+from a spectral cache) and :func:`solve` (the filter on it), so a setting re-synthesized from a cache runs the very
+same arithmetic as a fresh merge.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -46,18 +50,100 @@ def inverse_gains(spectrum: Spectrum, filt: Filter) -> torch.Tensor:
     return _gains_and_dropped(spectrum, filt)[0]
 
 
+BLOCK_COLUMNS = 512  # B Q is formed in blocks of this many columns, each the same product wherever it is asked for
+
+
+class Projection:
+    """The right-hand side of every direction of one layer for one start: B Q with B = D - tau_init C.
+
+    What :func:`solve` needs besides the filter: the spectrum, the start tau_init (None for zero), ||D||_F and
+    ||tau_init||_F (for the rounding test) and the columns B q_k. Fresh (``residual`` = B), the columns are formed
+    in fixed blocks of BLOCK_COLUMNS when first asked for, each block one product ``B @ Q[:, block]``; held (from a
+    spectral cache), all of them come as stored. Block k is the same product whether one merge asks for it or a
+    cache stores every block, so a setting re-synthesized from a cache gets the same bits as a fresh merge.
+    """
+
+    def __init__(
+        self,
+        spectrum: Spectrum,
+        start: torch.Tensor | None,
+        d_norm: float,
+        start_norm: float,
+        *,
+        residual: torch.Tensor | None = None,
+        held: torch.Tensor | None = None,
+    ) -> None:
+        if (residual is None) == (held is None):
+            raise ValueError("a Projection holds either the residual B or all columns B Q")
+        self.spectrum, self.start, self.d_norm, self.start_norm = spectrum, start, d_norm, start_norm
+        self.residual, self.held = residual, held
+        self._blocks: dict[int, torch.Tensor] = {}
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """A tensor with B's rows, dtype and device (the residual or the held columns)."""
+        return self.residual if self.residual is not None else self.held
+
+    def columns(self, index: torch.Tensor) -> torch.Tensor:
+        """B q_k for the columns ``index`` (ascending) of ``spectrum.vectors``."""
+        if self.held is not None:
+            return self.held[:, index]
+        needed = sorted({int(b) for b in (index // BLOCK_COLUMNS).tolist()})
+        offsets = torch.zeros(self._n_blocks, dtype=torch.long)
+        for position, block in enumerate(needed):
+            offsets[block] = position * BLOCK_COLUMNS
+        gathered = torch.cat([self._block(block) for block in needed], dim=1)
+        cpu_index = index.cpu()
+        return gathered[:, (offsets[cpu_index // BLOCK_COLUMNS] + cpu_index % BLOCK_COLUMNS).to(index.device)]
+
+    def all_columns(self) -> torch.Tensor:
+        """B Q for every column of ``spectrum.vectors`` (what a spectral cache stores)."""
+        if self.held is not None:
+            return self.held
+        return torch.cat([self._block(block) for block in range(self._n_blocks)], dim=1)
+
+    @property
+    def _n_blocks(self) -> int:
+        return -(-self.spectrum.vectors.shape[1] // BLOCK_COLUMNS)
+
+    def _block(self, block: int) -> torch.Tensor:
+        if block not in self._blocks:
+            Q = self.spectrum.vectors
+            self._blocks[block] = self.residual @ Q[:, block * BLOCK_COLUMNS : (block + 1) * BLOCK_COLUMNS]
+        return self._blocks[block]
+
+
+def projection(eq: NormalEquation, spectrum: Spectrum, tau_init: torch.Tensor | None) -> Projection:
+    """The fresh :class:`Projection` of a layer's normal equation for the start ``tau_init`` (None: zero).
+
+    B = D - tau_init C with C itself, not (tau_init Q) diag(lambda): the computed q_k are eigenvectors only up to a
+    residual of eps lambda_1, which D q_k carries and lambda_k tau_init q_k does not; on float32 layers with steep
+    spectra the difference, amplified by SWUDI's gain t, made the result 2-3x less accurate.
+    """
+    residual = eq.D if tau_init is None else eq.D - eq.times_C_once(tau_init)
+    start_norm = 0.0 if tau_init is None else float(tau_init.norm())
+    return Projection(spectrum, tau_init, float(eq.D.norm()), start_norm, residual=residual)
+
+
 def filtered_solve(
     eq: NormalEquation, spectrum: Spectrum, gains: Filter | torch.Tensor, tau_init: torch.Tensor | None
 ) -> torch.Tensor:
-    """tau_init + (D - tau_init C) Q diag(h / lambda) Q^T (paper Eq. 8) for a filter h.
+    """tau_init + (D - tau_init C) Q diag(h / lambda) Q^T (paper Eq. 8) for a filter h: :func:`solve` on the fresh
+    :func:`projection` of ``eq``."""
+    return solve(projection(eq, spectrum, tau_init), gains)
+
+
+def solve(p: Projection, gains: Filter | torch.Tensor) -> torch.Tensor:
+    """tau_init + (D - tau_init C) Q diag(h / lambda) Q^T (paper Eq. 8) for a filter h, from a :class:`Projection`.
 
     ``gains`` is the :class:`Filter`, or the values h_k on ``spectrum.eigenvalues`` (then the resolved
     directions are inverted, nothing else is checked: the plain formula). With a Filter, directions are
     chosen by :func:`inverse_gains`, and a direction whose right-hand side B q_k = (D - tau_init C) q_k
     is not above the round-off of computing it (:func:`_rounding_level`) is skipped too: it carries no
     information, and inverting it would only amplify that round-off (by up to 1 / lambda_k).
-    Directions with zero gain are skipped; tau_init C costs one product with C (or with M, when cheaper).
+    Directions with zero gain are skipped.
     """
+    spectrum = p.spectrum
     lam, _ = directions(spectrum)
     if isinstance(gains, Filter):
         inverse = inverse_gains(spectrum, gains)
@@ -67,25 +153,20 @@ def filtered_solve(
         inverse[:rank] = gains[:rank] / spectrum.eigenvalues[:rank]
     active = inverse != 0
     if not bool(active.any()):
-        return torch.zeros_like(eq.D) if tau_init is None else tau_init.clone()
+        shape = (p.rows.shape[0], spectrum.vectors.shape[0])
+        return p.rows.new_zeros(shape) if p.start is None else p.start.clone()
     Q, lam, inverse = spectrum.vectors[:, active], lam[active], inverse[active]
-    # (D - tau_init C) Q with C itself, not (tau_init Q) diag(lambda): the computed q_k are eigenvectors only up
-    # to a residual of eps lambda_1, which D q_k carries and lambda_k tau_init q_k does not; on float32 layers
-    # with steep spectra the difference, amplified by SWUDI's gain t, made the result 2-3x less accurate
-    residual = eq.D if tau_init is None else eq.D - eq.times_C_once(tau_init)
-    projected = residual @ Q
+    projected = p.columns(active.nonzero().squeeze(1))
     if isinstance(gains, Filter):
-        informative = projected.norm(dim=0) > _rounding_level(eq, spectrum, tau_init, lam, inverse, projected)
+        informative = projected.norm(dim=0) > _rounding_level(p, lam, inverse, projected)
         if not bool(informative.all()):
             Q, projected, inverse = Q[:, informative], projected[:, informative], inverse[informative]
     update = (projected * inverse) @ Q.T
-    return update if tau_init is None else tau_init + update
+    return update if p.start is None else p.start + update
 
 
 def _rounding_level(
-    eq: NormalEquation,
-    spectrum: Spectrum,
-    tau_init: torch.Tensor | None,
+    p: Projection,
     lam: torch.Tensor,
     gains: torch.Tensor,
     projected: torch.Tensor,
@@ -103,9 +184,9 @@ def _rounding_level(
       C's null space under SWUDI (t against 1 / lambda_j on dense LoRA experts).
     A direction whose B q_k is below this carries no information, and inverting it would only amplify round-off.
     """
-    unit = torch.finfo(eq.D.dtype).eps / 2
-    start = 0.0 if tau_init is None else float(tau_init.norm())
-    level = unit * (float(eq.D.norm()) + lam * start)
+    spectrum = p.spectrum
+    unit = torch.finfo(projected.dtype).eps / 2
+    level = unit * (p.d_norm + lam * p.start_norm)
     if lam.numel() < 2:
         return level
     size = projected.norm(dim=0)
@@ -128,8 +209,72 @@ def _rounding_level(
     return level + scale * torch.cat(mixing).to(level.dtype)
 
 
+class ProjectionMissing(LookupError):
+    """Stored projections lack what a setting asks for (another start, or the SVD spectrum): merge from the stack."""
+
+
+class LayerProjections(Protocol):
+    """One layer's projections for any start, as :func:`spectral_merge` asks for them: the fresh ones of a stack of
+    task vectors (:class:`FreshLayer`) or stored ones (a spectral cache, :mod:`specmerge.tuning.spectral_cache`)."""
+
+    n_experts: int  # experts with a non-zero task vector (0: the merge is zero)
+    n_total: int  # experts in the stack, those with a zero task vector included
+
+
+    def projection(self, tau_init: TauInit, *, accurate: bool = False) -> Projection: ...
+
+    def zeros(self) -> torch.Tensor: ...
+
+
+class FreshLayer:
+    """The projections of a stack of task vectors (N x d_out x d_in, or cores with ``full_shape``), formed when first
+    asked for: the start, the normal equation and its spectrum (shared within :func:`shared_decompositions`), the
+    residual B once per start, the SVD spectrum only when asked for (``accurate``)."""
+
+    def __init__(self, task_vectors: torch.Tensor, full_shape: tuple[int, int] | None = None) -> None:
+        self.task_vectors, self.full_shape = task_vectors, full_shape
+        self._starts: dict[str, torch.Tensor | None] = {}
+        self._projections: dict[str, Projection] = {}
+
+    @functools.cached_property
+    def _system(self) -> tuple[NormalEquation, Spectrum | None]:
+        return equation_and_spectrum(self.task_vectors, self.full_shape)
+
+    @property
+    def n_experts(self) -> int:
+        return self._system[0].n_experts
+
+    @property
+    def n_total(self) -> int:
+        return self.task_vectors.shape[0]
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros_like(self.task_vectors[0])
+
+    def projection(self, tau_init: TauInit, *, accurate: bool = False) -> Projection:
+        if tau_init not in self._starts:
+            self._starts[tau_init] = initial_point(self.task_vectors, tau_init)
+        eq, spectrum = self._system
+        if spectrum is None:
+            raise ValueError("no expert has a non-zero task vector: there is no spectrum (check n_experts first)")
+        if accurate and not spectrum.accurate:
+            spectrum = _accurate_spectrum(self.task_vectors, eq, self.full_shape)
+        if tau_init not in self._projections:
+            self._projections[tau_init] = projection(eq, spectrum, self._starts[tau_init])
+        first = self._projections[tau_init]
+        if first.spectrum is spectrum:
+            return first
+        return Projection(spectrum, first.start, first.d_norm, first.start_norm, residual=first.residual)
+
+
+def needs_accurate(spectrum: Spectrum, filt: Filter) -> bool:
+    """Whether ``filt`` would invert, without bound, eigenvalues that this (eigh) spectrum does not resolve
+    (pseudoinverse, small Tikhonov alpha): the merge then decomposes again through the SVD of M, which resolves them."""
+    return not spectrum.accurate and bool(_gains_and_dropped(spectrum, filt)[1].any())
+
+
 def spectral_merge(
-    task_vectors: torch.Tensor,
+    task_vectors: torch.Tensor | LayerProjections,
     make_filter: Callable[[Spectrum], tuple[Filter, int | None]],
     tau_init: TauInit,
     scale: float,
@@ -140,21 +285,19 @@ def spectral_merge(
     ``make_filter(spectrum) -> (Filter, kept_rank or None)`` lets a rank rule look at the spectrum.
     The diagnostics are the spectrum's (:func:`spectrum_diagnostics`). With ``full_shape`` the task
     vectors are cores of larger layers (see :func:`~specmerge.linalg.spectrum.decompose`), and so is
-    the result. No non-zero expert: zeros, unscaled.
+    the result. No non-zero expert: zeros, unscaled. ``task_vectors`` may also be a layer's stored projections
+    (:class:`LayerProjections`): the same filter step then runs on them, with no decomposition.
     """
-    start = initial_point(task_vectors, tau_init)
-    eq, spectrum = equation_and_spectrum(task_vectors, full_shape)
-    if spectrum is None:
-        return torch.zeros_like(task_vectors[0]), {"n_experts": 0, "kept_rank": 0}
-    filt, kept = make_filter(spectrum)
-    if not spectrum.accurate and bool(_gains_and_dropped(spectrum, filt)[1].any()):
-        # the filter inverts eigenvalues eigh(C) does not resolve without bound (pseudoinverse, small
-        # Tikhonov alpha): decompose again through the SVD of M, which resolves them (the rank rule,
-        # if any, keeps the K it chose on the first spectrum)
-        spectrum = _accurate_spectrum(task_vectors, eq, full_shape)
-    gains = filt(spectrum.eigenvalues)
-    tau_hat = filtered_solve(eq, spectrum, filt, start)
-    return scale * tau_hat, spectrum_diagnostics(eq, spectrum, kept, gains)
+    layer = FreshLayer(task_vectors, full_shape) if isinstance(task_vectors, torch.Tensor) else task_vectors
+    if not layer.n_experts:
+        return layer.zeros(), {"n_experts": 0, "kept_rank": 0}
+    p = layer.projection(tau_init)
+    filt, kept = make_filter(p.spectrum)
+    if needs_accurate(p.spectrum, filt):  # the rank rule, if any, keeps the K it chose on the first spectrum
+        p = layer.projection(tau_init, accurate=True)
+    gains = filt(p.spectrum.eigenvalues)
+    tau_hat = solve(p, filt)
+    return scale * tau_hat, spectrum_diagnostics(layer.n_experts, p.spectrum, kept, gains)
 
 
 _SHARED: ContextVar[dict | None] = ContextVar("specmerge_shared_decompositions", default=None)
@@ -206,13 +349,13 @@ def _accurate_spectrum(task_vectors: torch.Tensor, eq: NormalEquation, full_shap
     return spectrum
 
 
-def spectrum_diagnostics(eq: NormalEquation, spectrum: Spectrum, kept: int | None, gains: torch.Tensor) -> dict:
+def spectrum_diagnostics(n_experts: int, spectrum: Spectrum, kept: int | None, gains: torch.Tensor) -> dict:
     """Per-layer figures: kept rank K, eigenvalue summary, energy kept, filter gain summary."""
     lam = spectrum.eigenvalues.double()
     total = float(lam.sum())
     k = spectrum.rank if kept is None else min(kept, spectrum.eigenvalues.numel())
     return {
-        "n_experts": eq.n_experts,
+        "n_experts": n_experts,
         "kept_rank": k,
         "numerical_rank": spectrum.rank,
         "spectrum_size": spectrum.eigenvalues.numel(),

@@ -14,6 +14,8 @@ do with it is declared, not guessed from its name or signature:
   of exactly the dense result (:meth:`Method.merge_factored`); ``fn`` takes the real layer shape as
   ``full_shape`` if it needs it;
 - ``seeded``: ``fn`` draws random numbers from ``tensor_name`` and ``expert_keys`` (the caller's context);
+- ``spectral``: ``fn`` is one :func:`~specmerge.linalg.solve.spectral_merge` and takes a layer's stored projections
+  in place of the stack (a spectral cache re-synthesizes any of its settings without a decomposition);
 - a ``base`` keyword: ``fn`` needs the base tensor W_0 itself (it merges whole weights, as slerp does): never
   factored, and the caller passes it;
 - ``cost``: what merging one tensor costs in operations (:mod:`.operations`), for the dry run's estimate and
@@ -84,6 +86,7 @@ class Method:
     cost: CostFunction | None = None  # (stack shape, itemsize, validated params) -> Operations of one merge
     weighting: Weighting | None = None  # which per-expert weights ``fn`` takes; None: it takes none
     check: InputCheck | None = None  # (validated params, N or None) -> raises ValueError for what fn cannot take
+    spectral: bool = False  # fn is one spectral_merge: it also takes a LayerProjections (see the module docstring)
 
     @property
     def linear(self) -> bool:
@@ -126,11 +129,10 @@ class Method:
         return None if self.cost is None else self.cost(tuple(shape), itemsize, {**self.validate(params), **self.fixed})
 
     def param(self, name: str) -> Param:
-        for p in self.params:
-            if p.name == name:
-                return p
-        known = [p.name for p in self.params]
-        raise ValueError(unknown_name_message(f"parameter of method '{self.name}'", name, known))
+        found = {p.name: p for p in self.params}
+        if name not in found:
+            raise ValueError(unknown_name_message(f"parameter of method '{self.name}'", name, list(found)))
+        return found[name]
 
     def validate(self, params: Mapping[str, Any], n: int | None = None) -> dict[str, Any]:
         """Check names and types of ``params`` (strings from a CLI are coerced), and with the declared ``check`` the
@@ -289,13 +291,13 @@ def register(
     cost: CostFunction | None = None,
     weights: Weighting | None = None,
     check: InputCheck | None = None,
+    spectral: bool = False,
 ) -> Callable[[Callable[..., LayerResult]], Method]:
     """Decorator: add a method to the registry and return its :class:`Method` (call that, not the raw function).
 
     ``title`` defaults to ``name``; ``settings`` to one benchmark row ``Setting(name, title)`` (``()``: none);
-    ``fixed`` are keyword arguments of ``fn`` that are passed as given and are not parameters of the method
-    (the declared difference of a variant, see :func:`register_variant`). The capabilities are described in
-    the module docstring; ``seeded`` and ``factored`` must agree with the context keywords ``fn`` accepts.
+    ``fixed`` are keyword arguments of ``fn`` passed as given, not parameters (a variant's declared difference,
+    :func:`register_variant`). Capabilities: the module docstring; ``seeded``, ``factored`` agree with fn's keywords.
     """
 
     def wrap(fn: Callable[..., LayerResult]) -> Method:
@@ -304,7 +306,7 @@ def register(
         method = Method(
             name, fn, summary, citation, title or name, needs_matrix, params, context, factored, seeded, featured,
             None, _settings(settings, name, title or name), dict(fixed or {}), linear_coefficient, cost, weights,
-            check,
+            check, spectral,
         )  # fmt: skip
         return _add(method)
 
@@ -332,7 +334,7 @@ def register_variant(
     method = Method(
         name, of.fn, summary, citation or of.citation, title, of.needs_matrix, params, context, of.factored,
         of.seeded, featured, of.name, _settings(settings, name, title), all_fixed, of.coefficient, of.cost,
-        weights or of.weighting, of.check,
+        weights or of.weighting, of.check, of.spectral,
     )  # fmt: skip
     return _add(method)
 
@@ -367,8 +369,7 @@ def _add(method: Method) -> Method:
 
 @contextlib.contextmanager
 def registrations() -> Iterator[None]:
-    """Methods registered inside this block are forgotten when it ends (for a plugin's tests): the registry is
-    restored to what it held on entry."""
+    """Methods registered inside this block are forgotten when it ends (for a plugin's tests)."""
     global _METHODS
     saved = _METHODS
     _METHODS = dict(saved)
@@ -379,7 +380,7 @@ def registrations() -> Iterator[None]:
 
 
 def registered() -> list[Method]:
-    """Every registered method, in registration order (``specmerge.methods.all_methods`` gives display order)."""
+    """Every registered method, in registration order (``all_methods`` gives display order)."""
     return list(_METHODS.values())
 
 

@@ -57,6 +57,7 @@ def spectral_filter_cost(shape: Shape, itemsize: int, params: dict) -> Operation
     factored=True,
     settings=[Setting("swudi", "SWUDI (r, t on val)", grid={"rank_ratio": BENCH_RANK_RATIOS, "t": BENCH_TIMES})],
     cost=swudi_cost,
+    spectral=True,
 )
 def swudi(
     task_vectors: torch.Tensor,
@@ -93,6 +94,7 @@ def swudi(
         Setting("swudi_a_gd", "SWUDI-A (Gavish–Donoho)", {"rule": "gavish_donoho"}),
     ],
     cost=swudi_a_cost,
+    spectral=True,
 )
 def swudi_a(
     task_vectors: torch.Tensor,
@@ -134,6 +136,7 @@ def swudi_a(
         )
     ],
     cost=spectral_filter_cost,
+    spectral=True,
 )
 def spectral_filter(
     task_vectors: torch.Tensor,

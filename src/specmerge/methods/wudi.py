@@ -108,6 +108,7 @@ def optmerge_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
     factored=True,
     settings=[Setting("closed_form", "D C⁺ (closed form)")],
     cost=closed_form_cost,
+    spectral=True,
 )
 def closed_form(
     task_vectors: torch.Tensor,

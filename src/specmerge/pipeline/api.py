@@ -27,6 +27,7 @@ from specmerge.io.output import atomic_directory, check_output
 from specmerge.io.peft import adapter_config, write_adapter
 from specmerge.io.protocol import TensorInfo
 from specmerge.io.writer import ShardWriter
+from specmerge.linalg.solve import LayerProjections
 from specmerge.methods import get_method
 from specmerge.pipeline.card import card_for
 from specmerge.pipeline.executor import StreamingExecutor
@@ -130,11 +131,14 @@ def run_recipe(
     fsync: bool = True,
     threads: int | None = None,
     executor: Executor | None = None,
+    layers: Mapping[str, LayerProjections] | None = None,
 ) -> dict:
     """Run a validated recipe and write the merged model (or adapter) folder atomically; return the report.
 
     ``executor`` runs the work items (:class:`~specmerge.pipeline.work.Executor`; default
-    :class:`~specmerge.pipeline.executor.StreamingExecutor`); the output files do not depend on it.
+    :class:`~specmerge.pipeline.executor.StreamingExecutor`); the output files do not depend on it. ``layers``:
+    stored projections of spectral layers by tensor name (``specmerge tune``'s spectral cache, see
+    :class:`~specmerge.pipeline.jobs.ModelJob`); the output is the same.
     """
     check_threads(threads)
     executor = StreamingExecutor() if executor is None else executor
@@ -153,7 +157,7 @@ def run_recipe(
             if recipe.output_format == "lora":
                 reports, extra = _write_adapter(prepared, folder, options, executor, progress, output)
             else:
-                reports, extra = _write_model(prepared, folder, options, executor, progress, fsync)
+                reports, extra = _write_model(prepared, folder, options, executor, progress, fsync, layers)
             report = {
                 "specmerge": __version__,
                 "method": recipe.method,
@@ -186,6 +190,7 @@ def _write_model(
     executor: Executor,
     progress: bool,
     fsync: bool,
+    layers: Mapping[str, LayerProjections] | None = None,
 ) -> tuple[list[TensorReport], dict]:
     recipe, plan = prepared.recipe, prepared.plan
     writer = ShardWriter(
@@ -196,7 +201,7 @@ def _write_model(
         fsync=fsync,
     )
     with writer:  # closes (index, completeness check) on success, aborts on error
-        job = ModelJob(plan, prepared.base, prepared.experts, writer.write, options, fsync=fsync)
+        job = ModelJob(plan, prepared.base, prepared.experts, writer.write, options, fsync=fsync, layers=layers)
         reports = executor.run(job, progress=progress)
     copy_config_files(prepared.config_path, folder)
     vocabulary = prepared.vocabulary  # the tokenizer: the base's files, an expert's, or the union written

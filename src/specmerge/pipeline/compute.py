@@ -28,6 +28,7 @@ import torch
 from specmerge.io.layout import CONV1D_LAYOUT, transpose_result
 from specmerge.io.task_vectors import Dense, TaskVector, low_rank_deltas, task_vector_stack, task_vector_sum
 from specmerge.linalg.lowrank import AdapterFactors, FactoredResult, adapter_factors
+from specmerge.linalg.solve import LayerProjections
 from specmerge.methods import get_method
 from specmerge.methods.linear import weighted_sum
 from specmerge.pipeline.finite import all_finite, check_inputs, refuse_nonfinite
@@ -155,9 +156,7 @@ def merged_delta(
         if not all_finite(delta):  # NaN or Inf in any input reaches the sum (inf * 0 is NaN)
             refuse_nonfinite(entry, base_c, values)
         return delta, {"route": "sum"}
-    stack = task_vector_stack(values, base_c, dtype=compute_dtype, device=device, shape=shape)
-    if not all_finite(stack):  # before the method: TIES would drop NaN, TSV-M an expert, silently
-        refuse_nonfinite(entry, base_c, values)
+    stack = checked_stack(entry, base_c, values, device=device, compute_dtype=compute_dtype, shape=shape)
     if method is None:  # a weighted average of some LoRA and some full experts: the stack, weighted
         return weighted_sum(stack, linear_coefficient(entry, n, weights)), {"route": "dense"}
     whole = {"base": base_c} if method.needs_base else {}
@@ -167,6 +166,54 @@ def merged_delta(
     )  # fmt: skip
     del stack
     return result.delta, {**result.diagnostics, "route": "dense"}
+
+
+def checked_stack(
+    entry: TensorPlan,
+    base_c: torch.Tensor | None,
+    values: Sequence[TaskVector],
+    *,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    shape: tuple[int, ...],
+) -> torch.Tensor:
+    """The N x ... stack of task vectors, refused (naming the inputs) if it holds NaN or Inf: checked before the
+    method, as TIES would drop NaN and TSV-M an expert, silently."""
+    stack = task_vector_stack(values, base_c, dtype=compute_dtype, device=device, shape=shape)
+    if not all_finite(stack):
+        refuse_nonfinite(entry, base_c, values)
+    return stack
+
+
+def spectral_stack(
+    entry: TensorPlan, base_tensor: torch.Tensor, values: Sequence[TaskVector], *, device: torch.device,
+    compute_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """The stack a spectral method's ``dense`` route merges for ``entry``, oriented (out, in) as the method sees it:
+    what a spectral cache decomposes and stores (:func:`merge_from_layer` then replaces the merge of it)."""
+    base_c = base_tensor.to(device=device, dtype=compute_dtype)
+    if entry.transposed:
+        base_c, values = base_c.T, [value.transposed() for value in values]
+    return checked_stack(entry, base_c, values, device=device, compute_dtype=compute_dtype, shape=tuple(base_c.shape))
+
+
+def merge_from_layer(
+    entry: TensorPlan, base_tensor: torch.Tensor, layer: LayerProjections, *, device: torch.device,
+    compute_dtype: torch.dtype,
+) -> tuple[torch.Tensor, dict[str, Any]]:  # fmt: skip
+    """:func:`merge_tensor` of a spectral method's entry from the layer's stored projections instead of the experts'
+    values (:func:`spectral_stack` of the same inputs, decomposed once): the same filter step on the same numbers, so
+    the same bits, with no decomposition. Raises :class:`~specmerge.linalg.solve.ProjectionMissing` when the layer
+    lacks what this setting needs (merge from the values then)."""
+    method = get_method(entry.method)
+    base_c = base_tensor.to(device=device, dtype=compute_dtype)
+    check_inputs(entry, base_c, ())
+    result = method.fn(layer, **method.validate(entry.params, layer.n_total), **method.fixed)
+    delta, diagnostics = result.delta, {**result.diagnostics, "route": "cached"}
+    if entry.transposed:
+        delta, diagnostics["layout"] = delta.T, CONV1D_LAYOUT
+    merged = delta.add_(base_c) if delta.is_contiguous() else base_c.add_(delta)
+    return merged.to(dtype=entry.out_dtype).cpu(), diagnostics
 
 
 def merge_tensor(

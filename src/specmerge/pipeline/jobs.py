@@ -11,7 +11,7 @@ A NaN or Inf in an input is reported naming the files that hold it
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,9 @@ import torch
 from specmerge.io.experts import Expert
 from specmerge.io.protocol import TensorSource
 from specmerge.linalg.lowrank import AdapterFactors
-from specmerge.pipeline.compute import merge_adapter_tensor, merge_tensor, resolve_device
+from specmerge.linalg.solve import LayerProjections, ProjectionMissing
+from specmerge.methods import get_method
+from specmerge.pipeline.compute import merge_adapter_tensor, merge_from_layer, merge_tensor, resolve_device
 from specmerge.pipeline.cost import ItemCost, estimate_items
 from specmerge.pipeline.finite import NonFiniteInput, locate_nonfinite
 from specmerge.pipeline.plan import TensorPlan
@@ -49,7 +51,9 @@ class ComputeOptions:
 class ModelJob:
     """A merged model: every planned tensor of the base, row-blocked where the work is row by row, merged and
     handed to ``write(name, tensor, row_start=...)`` (``row_start`` None for a whole tensor). ``fsync``: whether the
-    writer flushes to disk (the estimate counts the disk's write rate then)."""
+    writer flushes to disk (the estimate counts the disk's write rate then). ``layers``: stored projections by tensor
+    name (a spectral cache's): a spectral method's entry found there reads only the base and is merged from them
+    (:func:`~specmerge.pipeline.compute.merge_from_layer`), from the experts' values when they lack what it needs."""
 
     def __init__(
         self,
@@ -61,10 +65,11 @@ class ModelJob:
         *,
         block_bytes: int | None = None,
         fsync: bool = True,
+        layers: Mapping[str, LayerProjections] | None = None,
     ) -> None:
         self.base, self.experts, self.write, self.options = base, list(experts), write, options
         self.items = work_items(plan, options.compute_dtype.itemsize, block_bytes)
-        self.fsync = fsync
+        self.fsync, self.layers = fsync, layers or {}
 
     def costs(self, *, probe: bool = True) -> list[ItemCost]:
         """The cost model's estimate of every item, in order (:func:`~specmerge.pipeline.cost.estimate_items`)."""
@@ -79,11 +84,29 @@ class ModelJob:
         """Each item weighted by its estimated seconds."""
         return Progress(tuple(cost.seconds for cost in self.costs()), desc="merging")
 
+    def _layer(self, item: WorkItem) -> LayerProjections | None:
+        """The stored projections of a spectral method's whole-tensor entry, if there are any."""
+        entry, layer = item.entry, self.layers.get(item.name)
+        if layer is None or entry.action != "merge" or item.rows is not None or not get_method(entry.method).spectral:
+            return None
+        return layer
+
     def read(self, item: WorkItem) -> Inputs:
+        if self._layer(item) is not None:
+            return Inputs(self.base.load(item.name, item.rows), [])
         return read_inputs(item, self.base, self.experts)
 
     def compute(self, item: WorkItem, inputs: Inputs) -> Outcome:
         o = self.options
+        layer = self._layer(item)
+        if layer is not None:
+            try:
+                merged, diagnostics = merge_from_layer(
+                    item.entry, inputs.base, layer, device=o.device, compute_dtype=o.compute_dtype
+                )
+                return Outcome(merged, diagnostics)
+            except ProjectionMissing:
+                inputs = read_inputs(item, self.base, self.experts)
         try:
             merged, diagnostics = merge_tensor(
                 item.entry,

@@ -190,6 +190,12 @@ class Recipe(BaseModel):
         for key in data:
             if key in cls.model_fields:
                 continue
+            if key == "tune":
+                raise RecipeError(
+                    "'tune:' is a search space for `specmerge tune RECIPE --eval CMD`, which merges every setting; "
+                    "a merge runs one recipe: remove 'tune:' (or run specmerge tune)",
+                    (key,),
+                )
             if any(key in (p.name for p in m.params) for m in all_methods().values()):
                 raise RecipeError(
                     f"unknown recipe key '{key}': method parameters go under 'params:' (params: {{{key}: ...}})",
@@ -333,6 +339,12 @@ def default_expert_keys(experts: Sequence[str]) -> list[str]:
 
 def load_recipe(path: str | os.PathLike) -> Recipe:
     """Read and validate a YAML recipe; relative ``base`` and ``experts`` paths are taken from its folder."""
+    return load_recipe_with(path)[0]
+
+
+def load_recipe_with(path: str | os.PathLike, section: str | None = None) -> tuple[Recipe, Any]:
+    """:func:`load_recipe`, and the value of one more top-level key ``section`` that is not a recipe key (None when
+    absent), taken out before the recipe is validated (``specmerge tune`` reads its ``tune:`` this way)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -351,9 +363,10 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
         raise RecipeError(f"{path}: the recipe file is empty; it needs at least 'base' and 'experts'")
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of keys (base, experts, ...), got {type(data).__name__}")
+    extra = data.pop(section, None) if section is not None else None
     data = _resolve_paths(data, Path(os.path.abspath(path)).parent)  # absolute: a relative path is never an id
     try:
-        return Recipe.from_dict(data)
+        return Recipe.from_dict(data), extra
     except RecipeError as err:
         line = line_of(text, err.loc)
         raise RecipeError(f"{path}:{line}: {err}" if line else f"{path}: {err}", err.loc) from None

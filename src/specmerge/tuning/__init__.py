@@ -1,0 +1,1 @@
+"""Choosing a merge against the user's own evaluation: a spectral cache, ``tune`` and AdaMerging (issue 17)."""

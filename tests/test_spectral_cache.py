@@ -1,0 +1,152 @@
+"""The spectral cache: re-synthesis from stored projections equals a fresh merge, bit for bit (issue 17).
+
+Every spectral setting of the paper's grids (SWUDI r x t x s, SWUDI-A's rules x s, D C+, the filter family) is merged
+from a stack and from its cached layer on tall, square and wide layers (eigh(C) and SVD routes), and must give the
+same bits: the filter step is the same code on the same numbers (``specmerge.linalg.solve.Projection``). Then
+whole models: a merge from the cache writes the same files as ``specmerge merge``, and keys follow content.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specmerge.linalg.solve import FreshLayer, ProjectionMissing
+from specmerge.methods import get_method
+from specmerge.pipeline.api import merge_recipe, run_recipe
+from specmerge.tuning.cache_build import cached_layers
+from specmerge.tuning.space import PAPER_GRIDS, PAPER_SCALES
+from specmerge.tuning.spectral_cache import SpectralCache, entry_files
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_models import build_family  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Both sides run in this process with the same thread count; one keeps BLAS's order fixed."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def stack(n: int, d_out: int, d_in: int, seed: int, noise: float = 1e-3) -> torch.Tensor:
+    """Task vectors with a shared low-rank part, an own one and noise: a spectrum with a head and a tail."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randn(d_out, 4, generator=g) @ torch.randn(4, d_in, generator=g)
+    own = [torch.randn(d_out, 3, generator=g) @ torch.randn(3, d_in, generator=g) for _ in range(n)]
+    return torch.stack([0.02 * (shared + o) + noise * torch.randn(d_out, d_in, generator=g) for o in own])
+
+
+def cached(tmp_path: Path, tv: torch.Tensor, starts, *, accurate: bool = False):
+    cache = SpectralCache(tmp_path / "cache")
+    layer = FreshLayer(tv)
+    files, meta = entry_files(layer, starts)
+    cache.write("ab" * 32, files, meta)
+    if accurate:
+        cache.write("ab" * 32, *entry_files(layer, starts, accurate=True))
+    return cache.layer("ab" * 32, torch.device("cpu"))
+
+
+def settings():
+    grid = PAPER_GRIDS["swudi"]
+    for r, t, s in itertools.product(grid["rank_ratio"], grid["t"], PAPER_SCALES):
+        yield "swudi", {"rank_ratio": r, "t": t, "scale": s}
+    for rule, s in itertools.product(("psqrt", "gavish_donoho", "participation"), PAPER_SCALES):
+        yield "swudi_a", {"rule": rule, "scale": s}
+    for start in ("sum", "mean", "zero"):
+        yield "swudi", {"tau_init": start}
+        yield "closed_form", {"tau_init": start}
+        for filt in ("exponential", "landweber", "tikhonov", "pinv"):
+            yield "spectral_filter", {"filter": filt, "tau_init": start, "rank": "ratio", "rank_ratio": 0.7}
+        yield "spectral_filter", {"filter": "exponential", "tau_init": start, "rank": "psqrt"}
+
+
+# (N, d_out, d_in, noise): eigh(C) (tall, square), the SVD of M (wide), and a rank-deficient tall layer whose
+# pseudoinverse needs the SVD spectrum too (stored as "accurate")
+SHAPES = {"tall": (3, 40, 24, 1e-3), "square": (4, 32, 32, 1e-3), "wide": (2, 8, 40, 1e-3), "deficient": (3, 40, 24, 0)}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_every_spectral_setting_of_the_papers_grids_is_bit_for_bit_a_fresh_merge(tmp_path, shape):
+    n, d_out, d_in, noise = SHAPES[shape]
+    tv = stack(n, d_out, d_in, seed=len(shape), noise=noise)
+    plain, uses_svd = cached(tmp_path / "plain", tv, ["sum", "mean", "zero"]), []
+    layer = cached(tmp_path, tv, ["sum", "mean", "zero"], accurate=True)
+    checked = 0
+    for name, params in settings():
+        method = get_method(name)
+        fresh = method(tv, **params)
+        again = method.fn(layer, **method.validate(params, tv.shape[0]), **method.fixed)
+        assert torch.equal(fresh.delta, again.delta), (shape, name, params)
+        assert fresh.diagnostics == again.diagnostics, (shape, name, params)
+        checked += 1
+        try:  # which settings needed the SVD spectrum: a cache without it must miss them
+            method.fn(plain, **method.validate(params, tv.shape[0]))
+        except ProjectionMissing:
+            uses_svd.append(name)
+    assert checked == 180 + 15 + 3 * 7
+    assert bool(uses_svd) == (shape == "deficient"), uses_svd
+
+
+def test_a_start_or_spectrum_not_stored_is_a_miss_not_a_wrong_answer(tmp_path):
+    tv = stack(3, 40, 24, seed=5, noise=0.0)  # tall, rank 13 < 24: eigh(C), and D C+ needs the SVD spectrum
+    layer = cached(tmp_path, tv, ["sum"])
+    swudi = get_method("swudi")
+    assert torch.equal(swudi(tv).delta, swudi.fn(layer, **swudi.validate({}, 3)).delta)
+    with pytest.raises(ProjectionMissing):
+        swudi.fn(layer, **swudi.validate({"tau_init": "mean"}, 3))
+    pinv = get_method("closed_form")
+    with pytest.raises(ProjectionMissing):
+        pinv.fn(layer, **pinv.validate({"tau_init": "sum"}, 3))
+
+
+def test_a_layer_without_experts_is_stored_as_zero(tmp_path):
+    tv = torch.zeros(3, 8, 6)
+    layer = cached(tmp_path, tv, ["sum"])
+    result = get_method("swudi").fn(layer, **get_method("swudi").validate({}, 3))
+    assert torch.equal(result.delta, torch.zeros(8, 6)) and result.diagnostics["n_experts"] == 0
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    root = tmp_path_factory.mktemp("family")
+    return build_family(root, "llama", 3)
+
+
+def test_models_merged_from_the_cache_are_the_files_of_specmerge_merge(tmp_path, family):
+    base, experts = family
+    recipe = merge_recipe(base, experts, method="swudi", dtype="float32")
+    layers = cached_layers(recipe, tmp_path / "cache", ["sum"], progress=False, log=lambda line: None)
+    assert len(layers) == 14  # 7 projections x 2 layers
+    for params in ({"rank_ratio": 0.55, "t": 300.0, "scale": 0.3}, {"rank_ratio": 0.85, "t": 1800.0}):
+        one = merge_recipe(base, experts, method="swudi", dtype="float32", params=params)
+        run_recipe(one, tmp_path / "fresh", overwrite=True, progress=False, threads=1)
+        run_recipe(one, tmp_path / "cached", overwrite=True, progress=False, threads=1, layers=layers)
+        a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("fresh", "cached"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        routes = [t["diagnostics"].get("route") for t in json.loads((tmp_path / "cached/report.json").read_text())["tensors"]]
+        assert routes.count("cached") == 14
+
+
+def test_keys_follow_content_so_an_entry_is_never_stale(tmp_path, family):
+    base, experts = family
+    recipe = merge_recipe(base, experts, method="swudi")
+    log: list[str] = []
+    first = cached_layers(recipe, tmp_path / "cache", ["sum"], progress=False, log=log.append)
+    assert any("14 layers decomposed" in line for line in log)
+    log.clear()
+    again = cached_layers(recipe, tmp_path / "cache", ["sum"], progress=False, log=log.append)
+    assert {k: v.folder for k, v in first.items()} == {k: v.folder for k, v in again.items()}
+    assert not any("decomposed" in line for line in log)  # all reused
+    other = merge_recipe(base, experts[:2], method="swudi")  # other inputs: other keys, new entries
+    third = cached_layers(other, tmp_path / "cache", ["sum"], progress=False, log=log.append)
+    assert not {v.folder for v in third.values()} & {v.folder for v in first.values()}
+    assert cached_layers(merge_recipe(base, experts, method="ties"), tmp_path / "c2", ["sum"], log=log.append) == {}
