@@ -259,4 +259,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", help="keep the demo's models and merges in this folder (default: a temporary one)")
     p.set_defaults(run=demo_command)
+    from specmerge.cli.adamerge import configure as configure_adamerge
+    from specmerge.cli.tune import configure as configure_tune
+
+    configure_tune(sub)
+    configure_adamerge(sub)
     return parser

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from specmerge.io.task_vectors import TaskVector
 from specmerge.linalg.solve import FreshLayer
 from specmerge.pipeline.compute import spectral_stack
@@ -124,4 +126,21 @@ def cached_layers(
         StreamingExecutor().run(job, progress=progress)
         if job.built:
             log(f"spectral cache: {job.built} layers decomposed and stored ({job.bytes_written / 2**30:.2f} GiB)")
-    return {name: cache.layer(key, options.device) for name, key in job.keys.items()}
+    stored = sum(f.stat().st_size for key in set(job.keys.values()) for f in cache.folder(key).iterdir())
+    resident = stored < available_memory(options.device) / 2
+    if resident:
+        log(f"spectral cache: {stored / 2**30:.2f} GiB kept in {options.device.type} memory for the settings")
+    return {name: cache.layer(key, options.device, resident=resident) for name, key in job.keys.items()}
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free on ``device``: the GPU's free memory, or the system's available memory for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -24,7 +24,7 @@ import json
 import os
 import tempfile
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +106,8 @@ class CachedLayer:
 
     folder: Path
     device: torch.device
+    resident: bool = False  # keep what was loaded (for a tune's many settings, when memory allows)
+    _loaded: dict[tuple[str, str], Projection] = field(default_factory=dict, repr=False, compare=False)
 
     @functools.cached_property
     def _meta(self) -> dict[str, Any]:
@@ -125,6 +127,14 @@ class CachedLayer:
 
     def projection(self, tau_init: TauInit, *, accurate: bool = False) -> Projection:
         kind = "accurate" if accurate else "spectrum"
+        if (kind, tau_init) in self._loaded:
+            return self._loaded[kind, tau_init]
+        p = self._load(kind, tau_init)
+        if self.resident:
+            self._loaded[kind, tau_init] = p
+        return p
+
+    def _load(self, kind: str, tau_init: str) -> Projection:
         spectrum_file, start_file = self.folder / f"{kind}.safetensors", self.folder / f"{kind}-{tau_init}.safetensors"
         if not (spectrum_file.is_file() and start_file.is_file()):
             raise ProjectionMissing(f"{self.folder.name}: no {kind} projection for tau_init={tau_init}")
@@ -155,8 +165,8 @@ class SpectralCache:
         needed = [f"{kind}.safetensors", *(f"{kind}-{s}.safetensors" for s in tau_inits)]
         return all(_regular(folder / name) for name in needed)
 
-    def layer(self, key: str, device: torch.device) -> CachedLayer:
-        return CachedLayer(self.folder(key), device)
+    def layer(self, key: str, device: torch.device, *, resident: bool = False) -> CachedLayer:
+        return CachedLayer(self.folder(key), device, resident)
 
     def write(self, key: str, files: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]], meta: dict) -> int:
         """Write one entry's files (:func:`entry_files`) under ``key``, each atomically; return the bytes written."""

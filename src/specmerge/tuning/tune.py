@@ -1,0 +1,280 @@
+"""``specmerge tune`` / :func:`tune`: merge every setting of a search space, score each with the user's evaluation,
+keep the best model.
+
+The tune folder holds ``tune.json`` (the recipe, space, strategy and evaluation it was started with),
+``results.jsonl`` (every score, appended as it comes: :mod:`.results`), ``results.csv``, ``results.md``,
+``plots/``, ``best/`` (the best model so far, a full model folder with its ``recipe.yaml``) and by default
+``cache/`` (the spectral cache). Running the same tune again in the same folder skips every setting already scored.
+
+Each setting is a complete merge by :func:`specmerge.pipeline.api.run_recipe` of the recipe with the setting's
+parameters, written to ``work/`` and removed once scored (or moved to ``best/``). Spectral methods merge from the
+spectral cache (:mod:`.spectral_cache`): the first setting pays the decompositions, every other one only the filter
+products and the I/O, with the same bits as a fresh merge. Strategies: ``grid`` (every setting at the full
+evaluation) and ``halving`` (successive halving: every setting on the smallest share of the evaluation, the best
+1/eta of them on eta times more, and so on up to the full evaluation; the evaluation takes that share as
+``{budget}`` / ``budget=``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from specmerge.errors import RecipeError
+from specmerge.methods import get_method
+from specmerge.pipeline.api import run_recipe
+from specmerge.pipeline.recipe import Recipe, load_recipe_with
+from specmerge.tuning.evaluation import Evaluate, callable_evaluator, command_evaluator, uses_budget
+from specmerge.tuning.results import ResultsLog, Scored, ranked, write_plots, write_tables
+from specmerge.tuning.space import Setting, TuneOptions, parse_options
+from specmerge.version import __version__
+
+
+@dataclass
+class TuneResult:
+    """What a tune found: the best score and setting, the best model's folder, every score, the tune folder."""
+
+    best: Scored
+    best_model: Path
+    scores: list[Scored]
+    folder: Path
+    seconds: float
+
+
+def load_tune_file(path: str | os.PathLike) -> tuple[Recipe, Any]:
+    """A tune file: a recipe plus an optional ``tune:`` section (see :mod:`specmerge.tuning.space`)."""
+    return load_recipe_with(path, "tune")
+
+
+def tune(
+    recipe: Recipe | str | os.PathLike | Mapping[str, Any],
+    output: str | os.PathLike,
+    *,
+    evaluate: Callable[..., Any] | None = None,
+    command: str | None = None,
+    space: Mapping[str, Any] | None = None,
+    strategy: str | None = None,
+    metric: str | None = None,
+    maximize: bool | None = None,
+    module: torch.nn.Module | None = None,
+    cache: str | os.PathLike | None = None,
+    restart: bool = False,
+    progress: bool = True,
+    threads: int | None = None,
+    timeout: float | None = None,
+    log: Callable[[str], None] = print,
+) -> TuneResult:
+    """Tune ``recipe`` (a :class:`Recipe`, a mapping, or a tune file's path) against an evaluation into ``output``.
+
+    The evaluation is ``evaluate`` (a callable given the model folder, or ``module`` holding the merged weights;
+    returns a number or a mapping with ``metric``) or ``command`` (a shell command with ``{model}``). ``space``,
+    ``strategy``, ``metric`` and ``maximize`` override the tune file's ``tune:`` section (defaults: the paper's
+    grid for the method, ``grid``, the only number printed, maximize). ``cache`` is the spectral cache's folder
+    (default ``output/cache``; share one between tunes of the same inputs). ``restart`` discards the scores of an
+    earlier tune in ``output`` of another recipe or space instead of refusing.
+    """
+    started = time.perf_counter()
+    recipe, section = _recipe_and_section(recipe)
+    section = {**(section or {}), **{k: v for k, v in {"space": space, "strategy": strategy, "metric": metric,
+                                                        "maximize": maximize}.items() if v is not None}}  # fmt: skip
+    method = get_method(recipe.method)
+    options = parse_options(method, section, recipe.params)
+    score_with, description = _evaluation(evaluate, command, options, module, timeout)
+    folder = Path(output)
+    state = {"specmerge": __version__, "recipe": recipe.model_dump(mode="json"), "space": options.space.to_dict(),
+             "strategy": options.strategy, "eta": options.eta, "min_budget": options.min_budget,
+             "maximize": options.maximize, "metric": options.metric, "evaluation": description}  # fmt: skip
+    results = _open_folder(folder, state, restart)
+    settings = options.space.settings()
+    log(f"tuning {recipe.method} over {len(settings)} settings ({options.strategy}) -> {folder}")
+    layers = _layers(recipe, settings, Path(cache) if cache is not None else folder / "cache", progress, log)
+    budgets = _budgets(options)
+    counts = _round_sizes(len(settings), len(budgets), options.eta)
+    bar = tqdm(total=sum(counts), desc="tuning", disable=not progress)
+    best = _best(results, options)
+    with bar:
+        survivors = settings
+        for budget in budgets:
+            for setting in survivors:
+                entry = results.find(setting.key, budget) or _score(
+                    recipe, setting, budget, folder, layers, score_with, results, threads
+                )
+                if budget == 1.0 and (best is None or _better(entry.score, best.score, options.maximize)):
+                    best = entry
+                    _keep_best(folder, setting)
+                _discard(folder / "work" / setting.key)
+                bar.update(1)
+                bar.set_postfix_str(f"best {best.score:.6g}" if best else "", refresh=False)
+            survivors = _survivors(results, survivors, budget, options)
+    if best is None:
+        raise RuntimeError("no setting was scored at the full budget")
+    best_model = _finish_best(recipe, best, folder, layers, threads)
+    names = list(options.space.values)
+    write_tables(results.entries, names, folder, options.maximize)
+    write_plots(results.entries, names, folder, options.maximize)
+    log(f"best: {Setting(best.params).describe()} -> score {best.score:.6g}; model in {best_model}")
+    return TuneResult(best, best_model, list(results.entries), folder, time.perf_counter() - started)
+
+
+def _recipe_and_section(recipe: Any) -> tuple[Recipe, Any]:
+    if isinstance(recipe, Recipe):
+        return recipe, None
+    if isinstance(recipe, Mapping):
+        data = dict(recipe)
+        section = data.pop("tune", None)
+        return Recipe.from_dict(data), section
+    return load_tune_file(recipe)
+
+
+def _evaluation(
+    evaluate: Callable[..., Any] | None,
+    command: str | None,
+    options: TuneOptions,
+    module: torch.nn.Module | None,
+    timeout: float | None,
+) -> tuple[Evaluate, str]:
+    if (evaluate is None) == (command is None):
+        raise ValueError("give the evaluation: a Python callable (evaluate=) or a shell command (--eval / command=)")
+    halving = options.strategy == "halving"
+    if command is not None:
+        if halving and not uses_budget(command):
+            raise ValueError("strategy halving runs each round on a share of the evaluation: put {budget} in --eval")
+        return command_evaluator(command, options.metric, timeout=timeout), command
+    import inspect
+
+    if halving and "budget" not in inspect.signature(evaluate).parameters:
+        raise ValueError("strategy halving runs each round on a share of the evaluation: evaluate must take budget=")
+    return callable_evaluator(evaluate, options.metric, module=module), f"python:{getattr(evaluate, '__name__', '?')}"
+
+
+def _open_folder(folder: Path, state: dict[str, Any], restart: bool) -> ResultsLog:
+    """The tune folder's results, after checking that an earlier tune there was of this recipe and space."""
+    folder.mkdir(parents=True, exist_ok=True)
+    marker = folder / "tune.json"
+    if marker.is_file():
+        before = json.loads(marker.read_text())
+        differ = [k for k in state if k != "specmerge" and before.get(k) != state[k]]
+        if differ and not restart:
+            raise RecipeError(
+                f"{folder} holds a tune with another {', '.join(differ)}: use a new folder, or --restart to discard "
+                "its scores"
+            )
+        if differ:
+            (folder / "results.jsonl").unlink(missing_ok=True)
+            _discard(folder / "best")
+    elif any(p.name != "cache" for p in folder.iterdir()):
+        raise RecipeError(f"{folder} is not empty and holds no tune (no tune.json): give a new or empty folder")
+    marker.write_text(json.dumps(state, indent=1))
+    return ResultsLog(folder / "results.jsonl")
+
+
+def _layers(recipe: Recipe, settings: list[Setting], root: Path, progress: bool, log: Callable[[str], None]) -> dict:
+    """The spectral cache's layers for every start the settings use ({} when the method is not spectral)."""
+    methods = {recipe.method, *(o.method for o in recipe.overrides if o.method)}
+    if not any(get_method(m).spectral for m in methods):
+        return {}
+    from specmerge.tuning.cache_build import cached_layers
+
+    starts = set()
+    for setting in settings:
+        for name in methods:
+            m = get_method(name)
+            if m.spectral:
+                starts.add(m.validate({**recipe.params, **setting.params} if name == recipe.method else {})["tau_init"])
+    for override in recipe.overrides:
+        if override.method and get_method(override.method).spectral:
+            starts.add(get_method(override.method).validate(override.params or {})["tau_init"])
+    return cached_layers(recipe, root, sorted(starts), progress=progress, log=log)
+
+
+def _budgets(options: TuneOptions) -> list[float]:
+    """The share of the evaluation each round runs: [1.0] for grid; successive halving's, smallest first."""
+    if options.strategy == "grid":
+        return [1.0]
+    rounds = max(0, round(math.log(1 / options.min_budget) / math.log(options.eta)))
+    return [round(options.eta ** -(rounds - k), 12) for k in range(rounds + 1)]
+
+
+def _round_sizes(n: int, rounds: int, eta: int) -> list[int]:
+    sizes = []
+    for _ in range(rounds):
+        sizes.append(n)
+        n = max(1, math.ceil(n / eta))
+    return sizes
+
+
+def _survivors(results: ResultsLog, settings: list[Setting], budget: float, options: TuneOptions) -> list[Setting]:
+    """The best ceil(n / eta) settings of a round (all of them after the last)."""
+    if budget == 1.0:
+        return settings
+    order = sorted(settings, key=lambda s: -results.find(s.key, budget).score * (1 if options.maximize else -1))
+    return order[: max(1, math.ceil(len(settings) / options.eta))]
+
+
+def _score(recipe, setting, budget, folder, layers, score_with, results, threads) -> Scored:
+    work = folder / "work" / setting.key
+    work.parent.mkdir(exist_ok=True)
+    start = time.perf_counter()
+    run_recipe(_recipe_for(recipe, setting), work, overwrite=True, progress=False, fsync=False, threads=threads,
+               layers=layers)  # fmt: skip
+    merged = time.perf_counter() - start
+    numbers = score_with(work, budget)
+    entry = Scored(setting.key, dict(setting.params), budget, numbers.pop("score"), numbers, merged,
+                   time.perf_counter() - start - merged)  # fmt: skip
+    results.add(entry)
+    return entry
+
+
+def _recipe_for(recipe: Recipe, setting: Setting) -> Recipe:
+    data = recipe.model_dump()
+    data["params"] = {**recipe.params, **setting.params}
+    return Recipe.from_dict(data)
+
+
+def _better(score: float, than: float, maximize: bool) -> bool:
+    return score > than if maximize else score < than
+
+
+def _best(results: ResultsLog, options: TuneOptions) -> Scored | None:
+    full = ranked(results.entries, options.maximize)
+    return full[0] if full else None
+
+
+def _keep_best(folder: Path, setting: Setting) -> None:
+    """Move the setting's model to ``best/`` (replacing the previous best; ``best.json`` names its setting)."""
+    work = folder / "work" / setting.key
+    if work.is_dir():
+        (folder / "best.json").unlink(missing_ok=True)
+        _discard(folder / "best")
+        os.replace(work, folder / "best")
+        (folder / "best.json").write_text(json.dumps({"key": setting.key, "params": dict(setting.params)}))
+
+
+def _finish_best(recipe: Recipe, best: Scored, folder: Path, layers: dict, threads: int | None) -> Path:
+    """``best/`` holding the best setting's model, flushed to disk; merged again if an interruption lost it."""
+    target, marker = folder / "best", folder / "best.json"
+    if not (marker.is_file() and json.loads(marker.read_text()).get("key") == best.key and target.is_dir()):
+        marker.unlink(missing_ok=True)
+        run_recipe(_recipe_for(recipe, Setting(best.params)), target, overwrite=True, progress=False, threads=threads,
+                   layers=layers)  # fmt: skip
+        marker.write_text(json.dumps({"key": best.key, "params": best.params}))
+    for file in target.iterdir():
+        if file.is_file():
+            with file.open("rb") as f:
+                os.fsync(f.fileno())
+    return target
+
+
+def _discard(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
