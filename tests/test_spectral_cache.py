@@ -25,7 +25,7 @@ from specmerge.tuning.space import PAPER_GRIDS, PAPER_SCALES
 from specmerge.tuning.spectral_cache import SpectralCache, entry_files
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import build_family  # noqa: E402
+from tiny_models import build_family
 
 
 @pytest.fixture(autouse=True)
@@ -132,7 +132,9 @@ def test_models_merged_from_the_cache_are_the_files_of_specmerge_merge(tmp_path,
         run_recipe(one, tmp_path / "cached", overwrite=True, progress=False, threads=1, layers=layers)
         a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("fresh", "cached"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-        routes = [t["diagnostics"].get("route") for t in json.loads((tmp_path / "cached/report.json").read_text())["tensors"]]
+        routes = [
+            t["diagnostics"].get("route") for t in json.loads((tmp_path / "cached/report.json").read_text())["tensors"]
+        ]
         assert routes.count("cached") == 14
 
 

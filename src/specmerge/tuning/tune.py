@@ -18,7 +18,6 @@ evaluation) and ``halving`` (successive halving: every setting on the smallest s
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import time
@@ -28,14 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from specmerge.errors import RecipeError
 from specmerge.methods import get_method
 from specmerge.pipeline.api import run_recipe
 from specmerge.pipeline.recipe import Recipe, load_recipe_with
 from specmerge.tuning.evaluation import Evaluate, callable_evaluator, command_evaluator, uses_budget
-from specmerge.tuning.results import ResultsLog, Scored, ranked, write_plots, write_tables
+from specmerge.tuning.results import ResultsLog, Scored, write_plots, write_tables
+from specmerge.tuning.search import Strategy, search
 from specmerge.tuning.space import Setting, TuneOptions, parse_options
 from specmerge.version import __version__
 
@@ -98,24 +97,19 @@ def tune(
     settings = options.space.settings()
     log(f"tuning {recipe.method} over {len(settings)} settings ({options.strategy}) -> {folder}")
     layers = _layers(recipe, settings, Path(cache) if cache is not None else folder / "cache", progress, log)
-    budgets = _budgets(options)
-    counts = _round_sizes(len(settings), len(budgets), options.eta)
-    bar = tqdm(total=sum(counts), desc="tuning", disable=not progress)
-    best = _best(results, options)
-    with bar:
-        survivors = settings
-        for budget in budgets:
-            for setting in survivors:
-                entry = results.find(setting.key, budget) or _score(
-                    recipe, setting, budget, folder, layers, score_with, results, threads
-                )
-                if budget == 1.0 and (best is None or _better(entry.score, best.score, options.maximize)):
-                    best = entry
-                    _keep_best(folder, setting)
-                _discard(folder / "work" / setting.key)
-                bar.update(1)
-                bar.set_postfix_str(f"best {best.score:.6g}" if best else "", refresh=False)
-            survivors = _survivors(results, survivors, budget, options)
+    strategy = Strategy(options.strategy, options.eta, options.min_budget, options.maximize)
+
+    def score(setting: Setting, budget: float) -> float:
+        found = results.find(setting.key, budget)
+        return (found or _score(recipe, setting, budget, folder, layers, score_with, results, threads)).score
+
+    def after(setting: Setting, budget: float, value: float, new_best: bool) -> None:
+        if new_best:
+            _keep_best(folder, setting)
+        _discard(folder / "work" / setting.key)
+
+    chosen, _ = search(settings, score, strategy, after=after, progress=progress)
+    best = results.find(chosen.key, 1.0)
     if best is None:
         raise RuntimeError("no setting was scored at the full budget")
     best_model = _finish_best(recipe, best, folder, layers, threads)
@@ -197,30 +191,6 @@ def _layers(recipe: Recipe, settings: list[Setting], root: Path, progress: bool,
     return cached_layers(recipe, root, sorted(starts), progress=progress, log=log)
 
 
-def _budgets(options: TuneOptions) -> list[float]:
-    """The share of the evaluation each round runs: [1.0] for grid; successive halving's, smallest first."""
-    if options.strategy == "grid":
-        return [1.0]
-    rounds = max(0, round(math.log(1 / options.min_budget) / math.log(options.eta)))
-    return [round(options.eta ** -(rounds - k), 12) for k in range(rounds + 1)]
-
-
-def _round_sizes(n: int, rounds: int, eta: int) -> list[int]:
-    sizes = []
-    for _ in range(rounds):
-        sizes.append(n)
-        n = max(1, math.ceil(n / eta))
-    return sizes
-
-
-def _survivors(results: ResultsLog, settings: list[Setting], budget: float, options: TuneOptions) -> list[Setting]:
-    """The best ceil(n / eta) settings of a round (all of them after the last)."""
-    if budget == 1.0:
-        return settings
-    order = sorted(settings, key=lambda s: -results.find(s.key, budget).score * (1 if options.maximize else -1))
-    return order[: max(1, math.ceil(len(settings) / options.eta))]
-
-
 def _score(recipe, setting, budget, folder, layers, score_with, results, threads) -> Scored:
     work = folder / "work" / setting.key
     work.parent.mkdir(exist_ok=True)
@@ -239,15 +209,6 @@ def _recipe_for(recipe: Recipe, setting: Setting) -> Recipe:
     data = recipe.model_dump()
     data["params"] = {**recipe.params, **setting.params}
     return Recipe.from_dict(data)
-
-
-def _better(score: float, than: float, maximize: bool) -> bool:
-    return score > than if maximize else score < than
-
-
-def _best(results: ResultsLog, options: TuneOptions) -> Scored | None:
-    full = ranked(results.entries, options.maximize)
-    return full[0] if full else None
 
 
 def _keep_best(folder: Path, setting: Setting) -> None:
