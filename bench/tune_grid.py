@@ -32,7 +32,10 @@ from specmerge.pipeline.api import merge_recipe, run_recipe
 from specmerge.tuning.cache_build import cached_layers
 from specmerge.tuning.space import PAPER_GRIDS
 
-GRID = [{"rank_ratio": r, "t": t} for r, t in itertools.product(PAPER_GRIDS["swudi"]["rank_ratio"], PAPER_GRIDS["swudi"]["t"])]
+GRID = [
+    {"rank_ratio": r, "t": t}
+    for r, t in itertools.product(PAPER_GRIDS["swudi"]["rank_ratio"], PAPER_GRIDS["swudi"]["t"])
+]
 
 
 def write_floor(base: Path, out: Path) -> float:
