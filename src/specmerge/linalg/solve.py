@@ -220,7 +220,6 @@ class LayerProjections(Protocol):
     n_experts: int  # experts with a non-zero task vector (0: the merge is zero)
     n_total: int  # experts in the stack, those with a zero task vector included
 
-
     def projection(self, tau_init: TauInit, *, accurate: bool = False) -> Projection: ...
 
     def zeros(self) -> torch.Tensor: ...
