@@ -4,10 +4,11 @@
 
 Measured in one run, in this order: the I/O floor of writing one output (the base's tensors, already read, written
 by specmerge's shard writer, no fsync, as tune writes its settings), the first full merge (``specmerge merge
---method swudi``, defaults r = 0.65, t = 1300), the grid end to end without evaluation (the cache filled, then
-each of the 36 settings merged from it and written), and ``--separate`` settings of the grid merged separately
-by ``specmerge merge`` (per-call median; 36 x that median stands for 36 calls when fewer are run: say so). The
-grid's outputs are compared with the separate merges' (bitwise, max |difference|). Prints a JSON summary.
+--method swudi``, defaults r = 0.65, t = 1300), the grid end to end without evaluation (``specmerge.tune`` with an
+evaluation that returns 0 at once: the cache filled, every setting merged from it in passes of ``--batch``
+settings, written, and removed), and ``--separate`` settings of the grid merged separately by ``specmerge merge``
+(per-call median; 36 x that median stands for 36 calls when fewer are run: say so), compared with the same
+settings merged in one pass from the cache (bitwise, max |difference|). Prints a JSON summary.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from safetensors.torch import load_file
 from specmerge.io.protocol import TensorInfo
 from specmerge.io.sources import open_source
 from specmerge.io.writer import ShardWriter
-from specmerge.pipeline.api import merge_recipe, run_recipe
+from specmerge.pipeline.api import merge_recipe
+from specmerge.tuning.batch import run_settings
 from specmerge.tuning.cache_build import cached_layers
 from specmerge.tuning.space import PAPER_GRIDS
+from specmerge.tuning.tune import tune
 
 GRID = [
     {"rank_ratio": r, "t": t}
@@ -85,6 +88,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--separate", type=int, default=2, help="settings of the grid merged separately (<= 36)")
     parser.add_argument("--settings", type=int, default=36, help="settings of the grid to run (default all 36)")
+    parser.add_argument("--batch", type=int, default=8, help="settings merged per pass (tune --batch)")
     args = parser.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -95,24 +99,23 @@ def main() -> None:
     result["first_merge_s"] = separate(args.models, work / "first", {}, args.device)
     print(json.dumps(result), flush=True)
     recipe = merge_recipe(args.models / "base", experts, method="swudi", device=args.device)
-    start = time.perf_counter()
-    layers = cached_layers(recipe, work / "cache", ["sum"], progress=False)
-    result["cache_build_s"] = time.perf_counter() - start
-    result["cache_bytes"] = sum(f.stat().st_size for f in (work / "cache").rglob("*") if f.is_file())
-    print(json.dumps(result), flush=True)
     grid = GRID[: args.settings]
-    per_setting = []
-    for k, params in enumerate(grid):
-        one = merge_recipe(args.models / "base", experts, method="swudi", device=args.device, params=params)
-        start = time.perf_counter()
-        run_recipe(one, work / f"grid{k}", overwrite=True, progress=False, fsync=False, layers=layers)
-        per_setting.append(time.perf_counter() - start)
-        if k >= args.separate:
-            shutil.rmtree(work / f"grid{k}")
-        print(f"setting {k}: {params} {per_setting[-1]:.1f} s", flush=True)
-    result["grid_settings"] = len(grid)
-    result["grid_per_setting_s"] = [round(s, 2) for s in per_setting]
-    result["grid_total_s"] = result["cache_build_s"] + sum(per_setting)
+    space = {"rank_ratio": sorted({g["rank_ratio"] for g in grid}), "t": sorted({g["t"] for g in grid}), "scale": [1.0]}
+    lines: list[str] = []
+    start = time.perf_counter()
+    result_tune = tune(recipe, work / "tune", evaluate=lambda folder: 0.0, space=space, batch=args.batch,
+                       progress=False, log=lines.append)  # fmt: skip
+    result["grid_settings"] = len(result_tune.scores)
+    result["grid_total_s (tune end to end, no evaluation)"] = time.perf_counter() - start
+    result["tune_log"] = lines
+    result["grid_merge_s per setting"] = [round(e.merge_seconds, 2) for e in result_tune.scores]
+    result["cache_bytes"] = sum(f.stat().st_size for f in (work / "tune/cache").rglob("*") if f.is_file())
+    print(json.dumps(result), flush=True)
+    layers = cached_layers(recipe, work / "tune/cache", ["sum"], progress=False, log=lambda line: None)
+    ones = [merge_recipe(args.models / "base", experts, method="swudi", device=args.device, params=grid[k])
+            for k in range(min(args.separate, len(grid)))]  # fmt: skip
+    if ones:
+        run_settings(ones, [work / f"grid{k}" for k in range(len(ones))], layers=layers)
     runs = []
     for k in range(min(args.separate, len(grid))):
         runs.append(separate(args.models, work / f"separate{k}", grid[k], args.device))

@@ -3,11 +3,5 @@
 set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; df -h /tmp | tail -1
 python3 -c "import torch, pydantic; print(torch.__version__, torch.cuda.is_available(), pydantic.__version__)"
-python3 -c "
-import sys; sys.path.insert(0, 'tests')
-from pathlib import Path; from tiny_models import build_family
-r = Path('/tmp/mini'); r.mkdir(); b, e = build_family(r, 'llama', 3); b.rename(r/'base')
-[x.rename(r/f'expert{i}') for i, x in enumerate(e)]" > /dev/null 2>&1
-python3 bench/tune_grid.py --models /tmp/mini --work /tmp/gw0 --device cuda --settings 3 --separate 1 2>&1 | tail -4 | tee $OUT/tiny.log
 start=$(date +%s); python3 bench/memory.py generate --models /tmp/l1b 2>&1 | tail -2; echo "generate $(( $(date +%s) - start )) s"
 python3 bench/tune_grid.py --models /tmp/l1b --work /tmp/gw --device cuda --separate 2 2>&1 | tee $OUT/grid.log

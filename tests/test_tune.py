@@ -86,7 +86,9 @@ def test_tune_finds_the_setting_an_exhaustive_loop_over_merges_finds(tmp_path, f
     assert len(table) == 2 + 4 and best_key in table[2]
     assert (tmp_path / "t/results.csv").read_text().count("\n") == 5
     assert {p.name for p in (tmp_path / "t/plots").iterdir()} == {"score_rank_ratio.png", "score_t.png"}
-    assert not list((tmp_path / "t/work").iterdir())  # every setting's model removed once scored
+    assert not (tmp_path / "t/work").exists()  # every setting's model removed once scored
+    merge_seconds = [s["merge_seconds"] for s in scores]
+    assert len(set(merge_seconds[1:])) == 1  # the first setting alone, then the other three in one pass
     assert "best of 4 settings" in done.stdout
 
 
@@ -229,3 +231,26 @@ def test_a_python_evaluation_must_give_a_number():
     with pytest.raises(EvaluationError, match="name the score with --metric"):
         callable_evaluator(lambda folder: {"a": 1, "b": 2})(Path("."), 1.0)
     assert callable_evaluator(lambda folder: {"acc": 0.5, "note": "x"})(Path("."), 1.0) == {"score": 0.5, "acc": 0.5}
+
+
+def test_settings_merged_in_one_pass_are_the_models_of_separate_merges(tmp_path, family):
+    from specmerge.pipeline.api import merge_recipe, run_recipe
+    from specmerge.tuning.batch import NotBatchable, run_settings
+    from specmerge.tuning.cache_build import cached_layers
+
+    base, experts = family
+    recipes = [merge_recipe(base, experts, method="swudi", params=p) for p in ({"t": 300.0}, {"rank_ratio": 0.85},
+                                                                                {"scale": 0.5})]  # fmt: skip
+    layers = cached_layers(recipes[0], tmp_path / "cache", ["sum"], progress=False, log=lambda line: None)
+    reports = run_settings(recipes, [tmp_path / f"one{k}" for k in range(3)], layers=layers, threads=1)
+    for k, recipe in enumerate(recipes):
+        run_recipe(recipe, tmp_path / f"alone{k}", progress=False, threads=1)
+        a, b = (load_file(tmp_path / f"{kind}{k}/model.safetensors") for kind in ("one", "alone"))
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+        assert sorted(p.name for p in (tmp_path / f"one{k}").iterdir()) == sorted(
+            p.name for p in (tmp_path / f"alone{k}").iterdir()
+        )
+        assert reports[k]["params"] == recipe.params
+    with pytest.raises(NotBatchable):
+        run_settings([recipes[0], merge_recipe(base, experts, method="ties")], [tmp_path / "x", tmp_path / "y"])
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

@@ -27,6 +27,7 @@ def tune_command(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         threads=parse_threads(args.threads),
         timeout=args.timeout,
+        batch=args.batch,
         log=(lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr)),
     )
     best = result.best
@@ -61,6 +62,14 @@ def configure(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", choices=["grid", "halving"], help="grid (default) or successive halving")
     p.add_argument("--cache", help="spectral cache folder (default OUT/cache); share it between tunes of one model set")
     p.add_argument("--restart", action="store_true", help="discard the scores of another recipe or space held in OUT")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=8,
+        metavar="N",
+        help="merge up to N settings in one pass over the inputs (their models wait on disk for their evaluation; "
+        "never more than half the free disk holds; default 8)",
+    )
     p.add_argument("--timeout", type=float, help="stop if one evaluation runs longer than this many seconds")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or notes")
     p.add_argument("--threads", metavar="N", help="compute with N threads (as for merge)")

@@ -147,39 +147,17 @@ def run_recipe(
     check_output(output, overwrite)  # before any work: parent exists, an existing folder may be replaced
     options = ComputeOptions.for_recipe(recipe)
     started = time.perf_counter()
-    method = get_method(recipe.method)
     with ExitStack() as stack:
         threads_used = stack.enter_context(merge_threads(threads))  # torch's count restored on leaving
         prepared = prepare_merge(stack, recipe, output)
-        summary = prepared.summary
-        size = summary["bytes"] if recipe.output_format == "model" else None  # goes into a full disk's message
+        size = prepared.summary["bytes"] if recipe.output_format == "model" else None  # for a full disk's message
         with atomic_directory(output, overwrite=overwrite, expected_bytes=size) as folder:
             if recipe.output_format == "lora":
                 reports, extra = _write_adapter(prepared, folder, options, executor, progress, output)
             else:
                 reports, extra = _write_model(prepared, folder, options, executor, progress, fsync, layers)
-            report = {
-                "specmerge": __version__,
-                "method": recipe.method,
-                "citation": method.citation,
-                "params": recipe.params,
-                "output_format": recipe.output_format,
-                "device": str(options.device),
-                "threads": threads_used.threads,
-                "threads_from": threads_used.source,
-                "torch": torch.__version__,
-                "host": platform.node(),
-                "seconds": round(time.perf_counter() - started, 3),
-                "files": sorted([p.name for p in folder.iterdir()] + ["recipe.yaml", "report.json", "README.md"]),
-                "summary": summary,
-                **prepared.notes,
-                **extra,
-                "tensors": [asdict(r) for r in reports],
-            }
-            written = portable_recipe(recipe, prepared.inputs, output)  # hub ids pinned, paths relative to output
-            (folder / "recipe.yaml").write_text(written.to_yaml())
-            (folder / "report.json").write_text(json.dumps(report, indent=1, default=str))
-            (folder / "README.md").write_text(card_for(prepared, written, method.citation))
+            extra = {"threads": threads_used.threads, "threads_from": threads_used.source, **extra}
+            report = record_output(prepared, folder, output, options, reports, extra, started)
     return report
 
 
@@ -192,17 +170,28 @@ def _write_model(
     fsync: bool,
     layers: Mapping[str, LayerProjections] | None = None,
 ) -> tuple[list[TensorReport], dict]:
-    recipe, plan = prepared.recipe, prepared.plan
-    writer = ShardWriter(
+    plan = prepared.plan
+    with shard_writer(prepared, folder, fsync) as writer:  # closes (index, completeness check) on success, else aborts
+        job = ModelJob(plan, prepared.base, prepared.experts, writer.write, options, fsync=fsync, layers=layers)
+        reports = executor.run(job, progress=progress)
+    model_files(prepared, folder)
+    return reports, {}
+
+
+def shard_writer(prepared: PreparedMerge, folder: Path, fsync: bool) -> ShardWriter:
+    """The writer of a merged model's shards into ``folder``: every planned tensor, the recipe's shard size."""
+    recipe = prepared.recipe
+    return ShardWriter(
         folder,
-        [TensorInfo(p.name, p.shape, p.out_dtype) for p in plan],
+        [TensorInfo(p.name, p.shape, p.out_dtype) for p in prepared.plan],
         max_shard_bytes=recipe.shard_bytes,
         metadata={"merged_with": f"specmerge {__version__}", "method": recipe.method},
         fsync=fsync,
     )
-    with writer:  # closes (index, completeness check) on success, aborts on error
-        job = ModelJob(plan, prepared.base, prepared.experts, writer.write, options, fsync=fsync, layers=layers)
-        reports = executor.run(job, progress=progress)
+
+
+def model_files(prepared: PreparedMerge, folder: Path) -> None:
+    """A merged model's files beside its shards: the config (its vocabulary size and dtype updated) and tokenizer."""
     copy_config_files(prepared.config_path, folder)
     vocabulary = prepared.vocabulary  # the tokenizer: the base's files, an expert's, or the union written
     if vocabulary is None:
@@ -210,8 +199,43 @@ def _write_model(
     else:
         vocabulary.write_tokenizer(folder)
     rows = None if vocabulary is None else vocabulary.rows
-    write_output_config(folder, [TensorInfo(p.name, p.shape, p.out_dtype) for p in plan], vocab_size=rows)
-    return reports, {}
+    write_output_config(folder, [TensorInfo(p.name, p.shape, p.out_dtype) for p in prepared.plan], vocab_size=rows)
+
+
+def record_output(
+    prepared: PreparedMerge,
+    folder: Path,
+    output: Path,
+    options: ComputeOptions,
+    reports: list[TensorReport],
+    extra: dict,
+    started: float,
+) -> dict:
+    """Write ``report.json``, ``recipe.yaml`` (hub ids pinned, paths relative to ``output``) and the model card into
+    ``folder`` (the output being written, renamed to ``output`` when done); return the report."""
+    recipe = prepared.recipe
+    method = get_method(recipe.method)
+    report = {
+        "specmerge": __version__,
+        "method": recipe.method,
+        "citation": method.citation,
+        "params": recipe.params,
+        "output_format": recipe.output_format,
+        "device": str(options.device),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "seconds": round(time.perf_counter() - started, 3),
+        "files": sorted([p.name for p in folder.iterdir()] + ["recipe.yaml", "report.json", "README.md"]),
+        "summary": prepared.summary,
+        **prepared.notes,
+        **extra,
+        "tensors": [asdict(r) for r in reports],
+    }
+    written = portable_recipe(recipe, prepared.inputs, output)  # hub ids pinned, paths relative to output
+    (folder / "recipe.yaml").write_text(written.to_yaml())
+    (folder / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (folder / "README.md").write_text(card_for(prepared, written, method.citation))
+    return report
 
 
 def _write_adapter(

@@ -58,16 +58,20 @@ def search(
     strategy: Strategy = Strategy(),
     *,
     after: Callable[[Setting, float, float, bool], None] | None = None,
+    before_round: Callable[[list[Setting], float], None] | None = None,
     progress: bool = False,
 ) -> tuple[Setting, float]:
-    """The best setting and its full-evaluation score. ``after(setting, budget, score, is_new_best)`` is called once
-    each setting of a round is scored (a tune keeps or removes that setting's model there)."""
+    """The best setting and its full-evaluation score. ``before_round(settings, budget)`` is called as each round
+    starts (a tune merges several of them in one pass); ``after(setting, budget, score, is_new_best)`` once each
+    setting of a round is scored (a tune keeps or removes that setting's model there)."""
     if not settings:
         raise ValueError("the search space is empty: give at least one value per parameter")
     best: tuple[Setting, float] | None = None
     survivors = list(settings)
     with tqdm(total=sum(strategy.round_sizes(len(settings))), desc="tuning", disable=not progress) as bar:
         for budget in strategy.budgets():
+            if before_round is not None:
+                before_round(list(survivors), budget)
             scores = []
             for setting in survivors:
                 value = score(setting, budget)

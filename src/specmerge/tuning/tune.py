@@ -32,6 +32,7 @@ from specmerge.errors import RecipeError
 from specmerge.methods import get_method
 from specmerge.pipeline.api import run_recipe
 from specmerge.pipeline.recipe import Recipe, load_recipe_with
+from specmerge.tuning.batch import NotBatchable, run_settings
 from specmerge.tuning.evaluation import Evaluate, callable_evaluator, command_evaluator, uses_budget
 from specmerge.tuning.results import ResultsLog, Scored, write_plots, write_tables
 from specmerge.tuning.search import Strategy, search
@@ -71,6 +72,7 @@ def tune(
     progress: bool = True,
     threads: int | None = None,
     timeout: float | None = None,
+    batch: int = 8,
     log: Callable[[str], None] = print,
 ) -> TuneResult:
     """Tune ``recipe`` (a :class:`Recipe`, a mapping, or a tune file's path) against an evaluation into ``output``.
@@ -80,8 +82,12 @@ def tune(
     ``strategy``, ``metric`` and ``maximize`` override the tune file's ``tune:`` section (defaults: the paper's
     grid for the method, ``grid``, the only number printed, maximize). ``cache`` is the spectral cache's folder
     (default ``output/cache``; share one between tunes of the same inputs). ``restart`` discards the scores of an
-    earlier tune in ``output`` of another recipe or space instead of refusing.
+    earlier tune in ``output`` of another recipe or space instead of refusing. ``batch``: at most this many settings
+    are merged in one pass over the inputs (their models wait in ``work/`` for their evaluation; fewer when the
+    disk is short: at most half its free space).
     """
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a whole number >= 1 (settings merged in one pass), got {batch!r}")
     started = time.perf_counter()
     recipe, section = _recipe_and_section(recipe)
     section = {**(section or {}), **{k: v for k, v in {"space": space, "strategy": strategy, "metric": metric,
@@ -99,16 +105,30 @@ def tune(
     layers = _layers(recipe, settings, Path(cache) if cache is not None else folder / "cache", progress, log)
     strategy = Strategy(options.strategy, options.eta, options.min_budget, options.maximize)
 
+    merging = _Merging(recipe, folder, layers, threads, batch)
+
     def score(setting: Setting, budget: float) -> float:
         found = results.find(setting.key, budget)
-        return (found or _score(recipe, setting, budget, folder, layers, score_with, results, threads)).score
+        if found is not None:
+            return found.score
+        seconds = merging.model(setting, [s for s in merging.round if results.find(s.key, budget) is None])
+        start = time.perf_counter()
+        numbers = score_with(folder / "work" / setting.key, budget)
+        entry = Scored(setting.key, dict(setting.params), budget, numbers.pop("score"), numbers, seconds,
+                       time.perf_counter() - start)  # fmt: skip
+        results.add(entry)
+        return entry.score
 
     def after(setting: Setting, budget: float, value: float, new_best: bool) -> None:
         if new_best:
             _keep_best(folder, setting)
         _discard(folder / "work" / setting.key)
 
-    chosen, _ = search(settings, score, strategy, after=after, progress=progress)
+    def before_round(settings: list[Setting], budget: float) -> None:
+        merging.round = settings
+
+    chosen, _ = search(settings, score, strategy, after=after, before_round=before_round, progress=progress)
+    _discard(folder / "work")  # models merged ahead for settings a halving round dropped
     best = results.find(chosen.key, 1.0)
     if best is None:
         raise RuntimeError("no setting was scored at the full budget")
@@ -165,7 +185,9 @@ def _open_folder(folder: Path, state: dict[str, Any], restart: bool) -> ResultsL
             )
         if differ:
             (folder / "results.jsonl").unlink(missing_ok=True)
+            (folder / "best.json").unlink(missing_ok=True)
             _discard(folder / "best")
+            _discard(folder / "work")
     elif any(p.name != "cache" for p in folder.iterdir()):
         raise RecipeError(f"{folder} is not empty and holds no tune (no tune.json): give a new or empty folder")
     marker.write_text(json.dumps(state, indent=1))
@@ -191,18 +213,47 @@ def _layers(recipe: Recipe, settings: list[Setting], root: Path, progress: bool,
     return cached_layers(recipe, root, sorted(starts), progress=progress, log=log)
 
 
-def _score(recipe, setting, budget, folder, layers, score_with, results, threads) -> Scored:
-    work = folder / "work" / setting.key
-    work.parent.mkdir(exist_ok=True)
-    start = time.perf_counter()
-    run_recipe(_recipe_for(recipe, setting), work, overwrite=True, progress=False, fsync=False, threads=threads,
-               layers=layers)  # fmt: skip
-    merged = time.perf_counter() - start
-    numbers = score_with(work, budget)
-    entry = Scored(setting.key, dict(setting.params), budget, numbers.pop("score"), numbers, merged,
-                   time.perf_counter() - start - merged)  # fmt: skip
-    results.add(entry)
-    return entry
+class _Merging:
+    """Each setting's model in ``work/<key>``, merged when first asked for together with up to ``batch`` - 1 of the
+    round's next unscored settings in one pass (:func:`~specmerge.tuning.batch.run_settings`), as many as half the
+    free disk holds; a setting whose plan differs beyond parameters is merged alone."""
+
+    def __init__(self, recipe: Recipe, folder: Path, layers: dict, threads: int | None, batch: int) -> None:
+        self.recipe, self.folder, self.layers, self.threads, self.batch = recipe, folder, layers, threads, batch
+        self.round: list[Setting] = []
+        self.seconds: dict[str, float] = {}
+        self.model_bytes: int | None = None
+
+    def model(self, setting: Setting, unscored: list[Setting]) -> float:
+        """Merge ``setting`` (and the next ``unscored`` ones) unless its model is there; its share of the seconds."""
+        work = self.folder / "work"
+        if (work / setting.key / "report.json").is_file():
+            return self.seconds.get(setting.key, 0.0)
+        work.mkdir(exist_ok=True)
+        after = unscored[unscored.index(setting) + 1 :] if setting in unscored else []
+        chosen = [setting, *after[: self._room() - 1]]
+        recipes = [_recipe_for(self.recipe, s) for s in chosen]
+        start = time.perf_counter()
+        if len(chosen) > 1:
+            try:
+                run_settings(recipes, [work / s.key for s in chosen], layers=self.layers, threads=self.threads)
+            except NotBatchable:
+                chosen, recipes = chosen[:1], recipes[:1]
+        if len(chosen) == 1:
+            run_recipe(recipes[0], work / setting.key, overwrite=True, progress=False, fsync=False,
+                       threads=self.threads, layers=self.layers)  # fmt: skip
+        share = (time.perf_counter() - start) / len(chosen)
+        self.seconds.update({s.key: share for s in chosen})
+        if self.model_bytes is None:
+            self.model_bytes = sum(f.stat().st_size for f in (work / setting.key).iterdir() if f.is_file())
+        return share
+
+    def _room(self) -> int:
+        """How many models one pass may write: ``batch``, and no more than half the free disk holds."""
+        if self.model_bytes is None:
+            return 1
+        free = shutil.disk_usage(self.folder).free
+        return max(1, min(self.batch, int(free / 2 // max(self.model_bytes, 1))))
 
 
 def _recipe_for(recipe: Recipe, setting: Setting) -> Recipe:

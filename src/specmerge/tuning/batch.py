@@ -1,0 +1,131 @@
+"""Several settings of one recipe merged in one pass over the inputs, each written to its own model folder.
+
+A tune's settings differ only in method parameters, so their plans name the same tensors with the same actions:
+:func:`run_settings` reads each tensor once (the base's, and the experts' where a tensor is not served by the
+spectral cache), computes it once per distinct setting of that tensor (an averaged embedding is the same for every
+setting: computed once, written to each), and writes the outputs on parallel writer threads. Every output is the
+model ``run_recipe`` writes for that setting (the same shards, config, tokenizer, ``recipe.yaml``, ``report.json``
+and card, the same bits: ``tests/test_tune.py``), in a folder renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from specmerge.io.output import atomic_directory, check_output
+from specmerge.linalg.solve import LayerProjections
+from specmerge.pipeline.api import model_files, record_output, shard_writer
+from specmerge.pipeline.executor import StreamingExecutor
+from specmerge.pipeline.inputs import refuse_output_inside_inputs
+from specmerge.pipeline.jobs import ComputeOptions, ModelJob
+from specmerge.pipeline.plan import TensorPlan
+from specmerge.pipeline.prepare import prepare_merge
+from specmerge.pipeline.recipe import Recipe
+from specmerge.pipeline.threads import merge_threads
+from specmerge.pipeline.work import Inputs, Outcome, ReportAccumulator, WorkItem
+
+WRITERS = 4  # outputs written at once (page-cache copies scale with threads; the disk then flushes in the back)
+
+
+class NotBatchable(ValueError):
+    """The settings' plans differ in more than parameters (another method, action or shape for some tensor)."""
+
+
+class SettingsJob(ModelJob):
+    """A :class:`~specmerge.pipeline.jobs.ModelJob` for several plans of the same tensors: each item read once, merged
+    once per distinct plan entry, delivered to every setting's writer (in parallel)."""
+
+    def __init__(
+        self,
+        plans: Sequence[Sequence[TensorPlan]],
+        prepared: Any,
+        writes: Sequence[Any],
+        options: ComputeOptions,
+        layers: Mapping[str, LayerProjections] | None,
+    ) -> None:
+        super().__init__(plans[0], prepared.base, prepared.experts, writes[0], options, fsync=False, layers=layers)
+        self.plans = [{entry.name: entry for entry in plan} for plan in plans]
+        self.writes = list(writes)
+        self.accumulators = [ReportAccumulator(self.items) for _ in plans]
+        self._pool = ThreadPoolExecutor(min(WRITERS, len(writes)), thread_name_prefix="specmerge-outputs")
+
+    def compute(self, item: WorkItem, inputs: Inputs) -> Outcome:
+        entries = [plan[item.name] for plan in self.plans]
+        keys = [(e.action, e.method, json.dumps(e.params, sort_keys=True, default=str)) for e in entries]
+        distinct = list(dict.fromkeys(keys))
+        done: dict[tuple, tuple[Outcome, float]] = {}
+        for n, key in enumerate(distinct):
+            entry = entries[keys.index(key)]
+            # a merge may write into the base tensor it was given (W_0 + delta in place): all but the last get a copy
+            last = n == len(distinct) - 1 or inputs.base is None
+            given = inputs if last else Inputs(inputs.base.clone(), inputs.values)
+            start = time.perf_counter()
+            done[key] = (super().compute(WorkItem(entry, item.rows), given), time.perf_counter() - start)
+        for accumulator, key in zip(self.accumulators, keys, strict=True):
+            outcome, seconds = done[key]
+            accumulator.add(item, seconds, outcome.diagnostics)
+        return Outcome([done[key][0].output for key in keys], done[keys[0]][0].diagnostics)
+
+    def deliver(self, item: WorkItem, output: list[Any]) -> None:
+        writing = [
+            self._pool.submit(write, item.name, tensor, row_start=item.row_start)
+            for write, tensor in zip(self.writes, output, strict=True)
+        ]
+        for future in writing:
+            future.result()
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+
+def _shape(plan: Sequence[TensorPlan]) -> list[tuple]:
+    return [(e.name, e.action, e.method, e.shape, e.out_dtype, e.transposed) for e in plan]
+
+
+def run_settings(
+    recipes: Sequence[Recipe],
+    outputs: Sequence[str | os.PathLike],
+    *,
+    layers: Mapping[str, LayerProjections] | None = None,
+    threads: int | None = None,
+    progress: bool = False,
+    overwrite: bool = True,
+) -> list[dict]:
+    """Merge ``recipes`` (one recipe at several settings of its parameters) into ``outputs`` in one pass; return each
+    output's report. Raises :class:`NotBatchable` (before anything is written) when the plans differ beyond
+    parameters. The outputs are not flushed to disk (a tune scores and removes them)."""
+    outputs = [Path(o) for o in outputs]
+    for recipe, output in zip(recipes, outputs, strict=True):
+        refuse_output_inside_inputs(output, [recipe.base, *recipe.experts])
+        check_output(output, overwrite)
+    options = ComputeOptions.for_recipe(recipes[0])
+    started = time.perf_counter()
+    with ExitStack() as stack:
+        used = stack.enter_context(merge_threads(threads))
+        prepared = [prepare_merge(stack, r, o) for r, o in zip(recipes, outputs, strict=True)]
+        if any(p.recipe.output_format != "model" for p in prepared) or len({str(_shape(p.plan)) for p in prepared}) > 1:
+            raise NotBatchable("the settings' plans differ beyond method parameters: merge them one at a time")
+        folders = [
+            stack.enter_context(atomic_directory(o, overwrite=overwrite, expected_bytes=p.summary["bytes"]))
+            for o, p in zip(outputs, prepared, strict=True)
+        ]
+        with ExitStack() as writing:
+            writers = [writing.enter_context(shard_writer(p, f, False)) for p, f in zip(prepared, folders, strict=True)]
+            job = SettingsJob([p.plan for p in prepared], prepared[0], [w.write for w in writers], options, layers)
+            try:
+                StreamingExecutor().run(job, progress=progress)
+            finally:
+                job.close()
+        extra = {"threads": used.threads, "threads_from": used.source, "merged_with_settings": len(recipes)}
+        reports = []
+        for k, (p, folder, output) in enumerate(zip(prepared, folders, outputs, strict=True)):
+            model_files(p, folder)
+            reports.append(record_output(p, folder, output, options, job.accumulators[k].reports(), extra, started))
+        return reports
