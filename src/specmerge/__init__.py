@@ -3,12 +3,15 @@
 from specmerge.methods import LayerResult, Method, all_methods, get_method, register
 from specmerge.pipeline.api import merge, run_recipe
 from specmerge.pipeline.memory import merge_modules, merge_state_dicts
+from specmerge.tuning.adamerge import adamerge
+from specmerge.tuning.tune import tune
 from specmerge.version import __version__
 
 __all__ = [
     "LayerResult",
     "Method",
     "__version__",
+    "adamerge",
     "all_methods",
     "get_method",
     "merge",
@@ -16,4 +19,5 @@ __all__ = [
     "merge_state_dicts",
     "register",
     "run_recipe",
+    "tune",
 ]
