@@ -1,6 +1,8 @@
 """The whole accuracy benchmark, end to end, on a tiny BERT and two keyword tasks (no apt, no MiniLM)."""
 
 import json
+import math
+import random
 
 from specmerge_bench.accuracy import bench, rows
 from specmerge_bench.accuracy import model as accuracy_model
@@ -13,7 +15,8 @@ def test_benchmark_end_to_end_and_rescoring_from_the_cache(world, tiny_model_dir
     monkeypatch.setattr(bench, "method_rows", lambda: small)
     monkeypatch.setattr(rows, "WUDI_STEPS", (2, 300))
     monkeypatch.setattr(bench, "SCALES", (0.3, 1.0))
-    run = {"model_dir": tiny_model_dir, "manifest": world["manifest"], "steps": 5, "progress": False}
+    run = {"model_dir": tiny_model_dir, "manifest": world["manifest"], "steps": 5, "progress": False,
+           "adamerging": rows.AdaMergingSettings(steps=2)}  # fmt: skip
     summary, folder = bench.run_benchmark(world["cache"], (0, 1), log=lambda line: None, **run)
     assert {p.name for p in folder.iterdir()} >= {"results.json", "results.md", "accuracy.png", "wudi_steps.png"}
     assert summary["seeds"] == 2 and set(summary["tasks"]) == {"colour", "shape"}
@@ -22,6 +25,10 @@ def test_benchmark_end_to_end_and_rescoring_from_the_cache(world, tiny_model_dir
         assert f"| {row.title} |" in table
         figures = summary["rows"][row.label]
         assert 0 <= figures["average"]["mean"] <= 1 and len(figures["choices"]) == 2
+    labels = list(summary["rows"])
+    for ada in rows.ADAMERGING_ROWS:  # each AdaMerging row right after its anchor, in both tables
+        assert labels.index(ada.label) == labels.index(ada.anchor) + 1
+        assert f"| {ada.title} |" in table and math.isfinite(summary["rows"][ada.label]["change"]["mean"])
     per_seed = json.loads((folder / "results.json").read_text())["per_seed"]
     chosen = per_seed[0]["rows"]["swudi"]["choice"]
     assert "rank_ratio=0.5" in chosen and ("t=300.0" in chosen or "t=1300.0" in chosen)
@@ -63,3 +70,38 @@ def test_equal_validation_scores_tie_exactly_whatever_the_task_order(tmp_path, m
     for order in ([first, second], [second, first]):
         _, best, _ = bench.best_on_val(bench.Row("x", "x", tuple(order)), cache)
         assert best == order[0]  # an exact tie: the first setting of the grid wins
+
+
+def test_the_choice_is_the_first_best_mean_val_accuracy_of_the_grid(tmp_path, monkeypatch):
+    """On a fake cache with many ties, each row's choice equals a plain argmax loop (first maximum in grid order),
+    and it is made by the search that ``specmerge tune`` runs."""
+    monkeypatch.setattr(bench, "SCALES", (0.1, 0.3, 1.0))
+    searches = []
+    search = bench.search
+    monkeypatch.setattr(bench, "search", lambda *a, **k: searches.append(a[2]) or search(*a, **k))
+    rng = random.Random(0)
+    cache = bench.ScoreCache(tmp_path / "scores.json")
+    grid = [bench.Candidate("x", "swudi", {"rank_ratio": r, "t": t}) for r in (0.5, 0.7) for t in (300.0, 800.0)]
+    grid_rows = [
+        bench.Row("x", "X", tuple(grid)),
+        bench.Row("y", "Y", tuple(reversed(grid))),
+        bench.Row("z", "Z", grid[:1]),
+    ]
+    for trial in range(20):
+        for c in grid:
+            for s in bench.SCALES:
+                tasks = ["a", "b", "c"]
+                rng.shuffle(tasks)  # the order a score lists its tasks in must not matter
+                cache.scores[f"{c.key}|{s}|val"] = {t: rng.randrange(3) / 4 for t in tasks}
+                cache.scores[f"{c.key}|{s}|test"] = {t: rng.random() for t in tasks}
+        for row in grid_rows:
+            settings = [(c, s) for c in row.candidates for s in bench.SCALES]
+            means = [sum(sorted(cache.scores[f"{c.key}|{s}|val"].values())) / 3 for c, s in settings]
+            first = max(range(len(settings)), key=lambda i: (means[i], -i))
+            chosen = bench.choose(row, {}, None, None, cache)  # every score is cached: no merge, no scoring
+            assert (chosen["choice"], chosen["scale"]) == (settings[first][0].describe(), settings[first][1]), trial
+            assert (
+                chosen["val_mean"] == means[first]
+                and chosen["test"] == cache.scores[f"{settings[first][0].key}|{settings[first][1]}|test"]
+            )
+    assert len(searches) == 60 and {(s.name, s.maximize) for s in searches} == {("grid", True)}

@@ -155,6 +155,8 @@ def test_spaces_default_to_the_papers_grids_and_parse_ranges():
     assert parse_values("t", {"range": [300, 1800], "num": 4}) == (300.0, 800.0, 1300.0, 1800.0)
     assert parse_values("alpha", {"range": [1e-4, 1e-2], "num": 3, "log": True}) == pytest.approx((1e-4, 1e-3, 1e-2))
     assert parse_values("scale", 0.5) == (0.5,)
+    layered = parse_options(get_method("ties"), {"space": {"scale": [0.5, 1.0]}}, {"density": [0.2, 0.5]})
+    assert layered.space.to_dict() == {"scale": [0.5, 1.0]}  # the recipe's per-layer list stays the recipe's
 
 
 @pytest.mark.parametrize(

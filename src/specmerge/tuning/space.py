@@ -30,6 +30,7 @@ from typing import Any
 
 from specmerge.errors import RecipeError
 from specmerge.methods import Method
+from specmerge.pipeline.layered import validate_layered
 
 PAPER_SCALES = (0.1, 0.2, 0.3, 0.5, 1.0)
 PAPER_GRIDS: dict[str, dict[str, tuple[Any, ...]]] = {  # the paper's grids beyond s, by method (Sec. 5)
@@ -132,7 +133,7 @@ def parse_space(method: Method, spec: Mapping[str, Any] | None, fixed: Mapping[s
     for name, options in values.items():
         for value in options:
             try:
-                method.validate({**fixed, name: value})
+                validate_layered(method, {**fixed, name: value})
             except ValueError as err:
                 raise RecipeError(f"tune.space.{name}: {err}") from None
     return SearchSpace(values)

@@ -31,6 +31,8 @@ import torch
 from specmerge.errors import RecipeError
 from specmerge.methods import get_method
 from specmerge.pipeline.api import run_recipe
+from specmerge.pipeline.inputs import refuse_output_inside_inputs
+from specmerge.pipeline.layered import validate_layered
 from specmerge.pipeline.recipe import Recipe, load_recipe_with
 from specmerge.tuning.batch import NotBatchable, run_settings
 from specmerge.tuning.evaluation import Evaluate, callable_evaluator, command_evaluator, uses_budget
@@ -96,6 +98,7 @@ def tune(
     options = parse_options(method, section, recipe.params)
     score_with, description = _evaluation(evaluate, command, options, module, timeout)
     folder = Path(output)
+    refuse_output_inside_inputs(folder, [recipe.base, *recipe.experts])
     state = {"specmerge": __version__, "recipe": recipe.model_dump(mode="json"), "space": options.space.to_dict(),
              "strategy": options.strategy, "eta": options.eta, "min_budget": options.min_budget,
              "maximize": options.maximize, "metric": options.metric, "evaluation": description}  # fmt: skip
@@ -206,10 +209,11 @@ def _layers(recipe: Recipe, settings: list[Setting], root: Path, progress: bool,
         for name in methods:
             m = get_method(name)
             if m.spectral:
-                starts.add(m.validate({**recipe.params, **setting.params} if name == recipe.method else {})["tau_init"])
+                params = {**recipe.params, **setting.params} if name == recipe.method else {}
+                starts.add(validate_layered(m, params)["tau_init"])
     for override in recipe.overrides:
         if override.method and get_method(override.method).spectral:
-            starts.add(get_method(override.method).validate(override.params or {})["tau_init"])
+            starts.add(validate_layered(get_method(override.method), override.params or {})["tau_init"])
     return cached_layers(recipe, root, sorted(starts), progress=progress, log=log)
 
 

@@ -2,9 +2,12 @@
 
 For each training seed: the experts' deltas are merged with every candidate (:mod:`specmerge_bench.accuracy.merging`),
 each candidate x final scale s is scored on the validation splits, each results row keeps the setting with
-the best mean validation accuracy over the tasks, and only that setting is scored on the test splits. Test
-accuracy is never used to choose anything. Every score is cached on disk (keyed by the experts, the
-candidate, the scale, the split and a hash of the merging code), so a rerun only computes what is missing.
+the best mean validation accuracy over the tasks (found by :func:`specmerge.tuning.search.search`, the code
+``specmerge tune`` runs), and only that setting is scored on the test splits. Test accuracy is never used to
+choose anything. The AdaMerging rows (:mod:`specmerge_bench.accuracy.adamerging`) adapt the merge their anchor
+row chose on val to the unlabeled test inputs, and are scored on test like the others. Every score is cached on
+disk (keyed by the experts, the candidate, the scale, the split and a hash of the merging code), so a rerun
+only computes what is missing.
 
 Rows and grids (:mod:`specmerge_bench.accuracy.rows`; stated in BENCHMARKS.md): s in SCALES for every row;
 the other grids are declared by each method's settings in the registry (SWUDI r x t, the exponential-only
@@ -22,11 +25,24 @@ import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from specmerge.tuning.search import Strategy, search
+from specmerge.tuning.space import Setting
 from specmerge_bench.accuracy.merging import Candidate, MergedDeltas, StateDict, merge_candidates
 from specmerge_bench.accuracy.report import exact_mean, markdown, plots, summarize
-from specmerge_bench.accuracy.rows import Row, method_rows, step_rows
+from specmerge_bench.accuracy.rows import (
+    ADAMERGING,
+    ADAMERGING_ROWS,
+    AdaMergingRow,
+    AdaMergingSettings,
+    Row,
+    method_rows,
+    step_rows,
+)
+
+if TYPE_CHECKING:
+    from specmerge_bench.accuracy.adamerging import AdaMergingStage
 
 SCALES = (0.1, 0.2, 0.3, 0.5, 1.0)
 
@@ -57,14 +73,14 @@ class ScoreCache:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.scores: dict[str, dict[str, float]] = json.loads(path.read_text()) if path.is_file() else {}
+        self.scores: dict[str, dict[str, Any]] = json.loads(path.read_text()) if path.is_file() else {}
 
-    def get(self, key: str, compute: Callable[[], dict[str, float]]) -> dict[str, float]:
+    def get(self, key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         if key not in self.scores:
             self.put(key, compute())
         return self.scores[key]
 
-    def put(self, key: str, value: dict[str, float]) -> None:
+    def put(self, key: str, value: dict[str, Any]) -> None:
         self.scores[key] = value
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
@@ -78,16 +94,18 @@ def evaluate_seed(
     score: Scorer,
     cache: ScoreCache,
     *,
+    adamerging: AdaMergingStage | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Every row for one set of experts (task -> expert state dict): chosen setting, val mean, test accuracies.
+    """Every row for one set of experts (task -> expert state dict): chosen setting, val mean, test accuracies;
+    with ``adamerging``, the AdaMerging rows, each next to its anchor row.
 
     Only the candidates with a score missing from ``cache`` are merged, so a rerun over cached scores does
     no merging at all. Merge times are cached with the scores (key ``<candidate>|merge``).
     """
     tasks = list(experts)
     rows = method_rows() + step_rows()
-    needed = {c.key: c for c in missing_candidates(rows, cache)}
+    needed = {c.key: c for c in missing_candidates(rows, cache, adamerging)}
     wudi_steps = sorted({c.params["steps"] for c in needed.values() if c.method == "wudi"})  # one run, snapshots
     deltas = merge_candidates(
         base, list(experts.values()), [c for c in needed.values() if c.method != "wudi"],
@@ -111,11 +129,17 @@ def evaluate_seed(
         result["experts"][task] = {"val": own["val"][task], "test": own["test"][task], "all_test": own["test"]}
     for row in rows:
         result["rows"][row.label] = choose(row, base, deltas, score, cache)
+        for ada in ADAMERGING_ROWS if adamerging is not None else ():
+            if ada.anchor == row.label:
+                result["rows"][ada.label] = adamerge_row(ada, row, base, deltas, score, cache, adamerging, progress)
     return result
 
 
-def missing_candidates(rows: Sequence[Row], cache: ScoreCache) -> list[Candidate]:
-    """The candidates of ``rows`` that :func:`choose` would have to merge: a val score or the chosen test missing."""
+def missing_candidates(
+    rows: Sequence[Row], cache: ScoreCache, adamerging: AdaMergingStage | None = None
+) -> list[Candidate]:
+    """The candidates of ``rows`` that :func:`choose` would have to merge: a val score or the chosen test missing;
+    with ``adamerging``, those :func:`adamerge_row` would have to merge (an anchor's val scores or its result)."""
     out = []
     for row in rows:
         lacking = [c for c in row.candidates if any(f"{c.key}|{s}|val" not in cache.scores for s in SCALES)]
@@ -123,21 +147,33 @@ def missing_candidates(rows: Sequence[Row], cache: ScoreCache) -> list[Candidate
             _, best, scale = best_on_val(row, cache)
             if f"{best.key}|{scale}|test" not in cache.scores:
                 lacking = [best]
+        known = tuple(c for c in row.candidates if c not in lacking)
+        if adamerging is not None and known and any(ada.anchor == row.label for ada in ADAMERGING_ROWS):
+            # the choice is the best of the known val scores, or one of the lacking candidates (merged anyway)
+            _, best, scale = best_on_val(Row(row.label, row.title, known), cache)
+            if best not in lacking and (lacking or adamerging_key(best, scale, adamerging) not in cache.scores):
+                lacking = [*lacking, best]
         out += [c for c in lacking if all(c.key != o.key for o in out)]
     return out
 
 
 def best_on_val(row: Row, cache: ScoreCache, score: Callable[[Candidate, float], dict[str, float]] | None = None):
-    """(mean val accuracy, candidate, scale) of the best setting of ``row``; ``score`` fills missing val scores."""
-    best: tuple[float, Candidate, float] | None = None
-    for candidate in row.candidates:
-        for scale in SCALES:
-            key = f"{candidate.key}|{scale}|val"
-            val = cache.get(key, lambda c=candidate, s=scale: score(c, s)) if score else cache.scores[key]
-            if best is None or exact_mean(list(val.values())) > best[0]:
-                best = (exact_mean(list(val.values())), candidate, scale)
-    assert best is not None
-    return best
+    """(mean val accuracy, candidate, scale) of the best setting of ``row``; ``score`` fills missing val scores.
+
+    The settings are candidate x scale in grid order, searched by :func:`specmerge.tuning.search.search` (a grid,
+    maximising the mean val accuracy over the tasks): of equal scores, the first wins.
+    """
+    candidates = {c.key: c for c in row.candidates}
+    settings = [Setting({"candidate": c.key, "scale": s}) for c in row.candidates for s in SCALES]
+
+    def val_mean(setting: Setting, budget: float) -> float:
+        candidate, scale = candidates[setting.params["candidate"]], setting.params["scale"]
+        key = f"{candidate.key}|{scale}|val"
+        val = cache.get(key, lambda: score(candidate, scale)) if score else cache.scores[key]
+        return exact_mean(list(val.values()))
+
+    best, value = search(settings, val_mean, Strategy("grid", maximize=True))
+    return value, candidates[best.params["candidate"]], best.params["scale"]
 
 
 def choose(row: Row, base: StateDict, deltas: MergedDeltas, score: Scorer, cache: ScoreCache) -> dict[str, Any]:
@@ -147,6 +183,34 @@ def choose(row: Row, base: StateDict, deltas: MergedDeltas, score: Scorer, cache
     merge = cache.scores.get(f"{candidate.key}|merge", {}).get("seconds")
     return {"title": row.title, "choice": candidate.describe(), "scale": scale, "val_mean": val_mean, "test": test,
             "seconds": merge}  # fmt: skip
+
+
+def adamerging_key(candidate: Candidate, scale: float, stage: AdaMergingStage) -> str:
+    return f"{candidate.key}|{scale}|{stage.key}|test"
+
+
+def adamerge_row(
+    ada: AdaMergingRow,
+    anchor: Row,
+    base: StateDict,
+    deltas: MergedDeltas,
+    score: Scorer,
+    cache: ScoreCache,
+    stage: AdaMergingStage,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """AdaMerging from the (candidate, scale) ``anchor`` chose on val, its test accuracies and what it learned."""
+    _, candidate, scale = best_on_val(anchor, cache)
+
+    def compute() -> dict[str, Any]:
+        adapted, record = stage.adapt(base, deltas.state(base, candidate, scale), progress=progress)
+        return {**record, "test": score(adapted, "test")}
+
+    record = cache.get(adamerging_key(candidate, scale, stage), compute)
+    return {"title": ada.title, "anchor": anchor.label, "choice": f"AdaMerging({stage.settings.describe()}) on "
+            f"{candidate.describe()}", "scale": scale, "val_mean": None, "test": record["test"],
+            "seconds": record["seconds"], "coefficients": record["coefficients"],
+            "entropy": [record["entropy_start"], record["entropy_end"]]}  # fmt: skip
 
 
 def load_scoring(built: Mapping[str, Any], model_dir: str | Path | None = None) -> tuple[Any, StateDict, Any, Any]:
@@ -177,6 +241,7 @@ def run_benchmark(
     model_dir: str | Path | None = None,
     manifest: Mapping[str, Any] | None = None,
     steps: int = 800,
+    adamerging: AdaMergingSettings | None = ADAMERGING,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> tuple[dict[str, Any], Path]:
@@ -186,12 +251,14 @@ def run_benchmark(
     ``wudi_steps.png``, ``timings.json``: the stage times of every run, appended) under
     ``cache_dir/results/<experts key>-<code key>-seeds-...``.
     ``model_dir`` / ``manifest`` replace the pinned MiniLM and the Debian-derived tasks (the tests use a tiny
-    BERT and a synthetic task set).
+    BERT and a synthetic task set). ``adamerging`` sets the AdaMerging rows (None leaves them out); they are
+    given the test inputs only, without labels.
     """
     import time
 
     from specmerge_bench.accuracy import experts as accuracy_experts
     from specmerge_bench.accuracy import model as accuracy_model
+    from specmerge_bench.accuracy.adamerging import AdaMergingStage
 
     cache_dir = Path(cache_dir).resolve()
     started = time.perf_counter()
@@ -199,6 +266,9 @@ def run_benchmark(
                                            log=log)  # fmt: skip
     prepared = time.perf_counter() - started
     base_model, base, tasks_encoded, heads = load_scoring(built, model_dir)
+    stage = None
+    if adamerging is not None:
+        stage = AdaMergingStage(base_model, heads, accuracy_model.unlabeled_inputs(tasks_encoded, "test"), adamerging)
 
     def score(state: StateDict, split: str) -> dict[str, float]:
         return accuracy_model.evaluate(state, tasks_encoded, heads, split, scratch=base_model)
@@ -209,7 +279,7 @@ def run_benchmark(
         start = time.perf_counter()
         experts = load_experts(built, seed, base)
         cache = ScoreCache(cache_dir / "scores" / experts_key / f"seed{seed}-{code_key()}.json")
-        per_seed.append(evaluate_seed(base, experts, score, cache, progress=progress))
+        per_seed.append(evaluate_seed(base, experts, score, cache, adamerging=stage, progress=progress))
         seconds[f"merge and score, seed {seed}"] = time.perf_counter() - start
         log(f"seed {seed}: merged and scored in {seconds[f'merge and score, seed {seed}']:.0f} s")
     summary = summarize(per_seed)

@@ -17,6 +17,8 @@ Protocol (one base encoder, the pinned all-MiniLM-L6-v2 ``BertModel`` without it
   AdamW, linear warmup then linear decay to zero, dropout on. Weight decay defaults to 0: AdamW's decay pulls
   weights toward zero, which would add the same task-independent ``-c·W_base`` component to every task vector.
 - **Scores.** Accuracy of ``argmax(head(features))`` per task (``evaluate``), on val (for choices) or test.
+- **AdaMerging** (:mod:`specmerge_bench.accuracy.adamerging`) gets a split's inputs without labels
+  (``unlabeled_inputs``) and every task's head logits on them (``multitask_logits``).
 
 The cached stages that use these functions (tokens, probes, experts) are in
 :mod:`specmerge_bench.accuracy.experts`; the source of the functions each stage depends on (``TOKENS_CODE``,
@@ -271,6 +273,30 @@ def evaluate(
         features = pooled_features(model, encoded.inputs, batch_size=batch_size, autocast=autocast)
         scores[task] = accuracy(heads[task], features, encoded.labels)
     return scores
+
+
+def unlabeled_inputs(
+    tasks_encoded: Mapping[str, Mapping[str, EncodedSplit]], split: str
+) -> dict[str, dict[str, Tensor]]:
+    """Task -> the model inputs of ``split`` (``input_ids``, ``attention_mask``), without their labels."""
+    return {task: splits[split].inputs for task, splits in tasks_encoded.items()}
+
+
+def multitask_logits(
+    model: transformers.BertModel,
+    batch: Mapping[str, Mapping[str, Tensor]],
+    heads: Mapping[str, Head],
+    autocast: bool = True,
+) -> Tensor:
+    """Each task's head logits on that task's inputs in ``batch`` (task -> inputs), with gradient, stacked in task
+    order: (rows, most classes), a task with fewer classes padded with -inf (classes of probability 0)."""
+    parts = []
+    for task, inputs in batch.items():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            features = _forward_pooled(model, inputs["input_ids"], inputs["attention_mask"])
+        parts.append(heads[task].logits(features))
+    width = max(part.shape[1] for part in parts)
+    return torch.cat([torch.cat([p, p.new_full((len(p), width - p.shape[1]), -torch.inf)], dim=1) for p in parts])
 
 
 # ------------------------------------------------------------------------------------------------ experts

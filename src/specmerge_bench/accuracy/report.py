@@ -2,7 +2,8 @@
 
 Reported per row: average test accuracy over the tasks, normalised accuracy (mean over tasks of merged /
 expert accuracy) and gap closed (mean over tasks of (merged - base) / (expert - base)), and the per-task
-accuracies; ``results.md`` holds the main table, the WUDI step sweep and the settings chosen per seed.
+accuracies; for an AdaMerging row also its change over the merge it starts from (its anchor row), signed.
+``results.md`` holds the main table, the AdaMerging table, the WUDI step sweep and the settings chosen per seed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ def exact_mean(values: Sequence[float]) -> float:
 
 
 def summarize(per_seed: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Mean and std over seeds of average accuracy, normalised accuracy and gap closed, per row."""
+    """Mean and std over seeds of average accuracy, normalised accuracy and gap closed, per row; for an AdaMerging
+    row (one with an ``anchor``) also of its change in average accuracy over the anchor and of its mean entropy
+    before and after."""
     tasks = per_seed[0]["tasks"]
 
     def stats(values: Sequence[float]) -> dict[str, float]:
@@ -60,6 +63,14 @@ def summarize(per_seed: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             **figures(lambda s, lab=label: s["rows"][lab]["test"]),
             "choices": [f"{s['rows'][label]['choice']}, s={s['rows'][label]['scale']}" for s in per_seed],
         }
+        if "anchor" in row:
+            anchor = row["anchor"]
+            change = [exact_mean([s["rows"][label]["test"][t] - s["rows"][anchor]["test"][t] for t in tasks])
+                      for s in per_seed]  # fmt: skip
+            entropy = [s["rows"][label]["entropy"] for s in per_seed]
+            summary["rows"][label].update({"anchor": anchor, "change": stats(change),
+                                           "entropy": {"start": stats([e[0] for e in entropy]),
+                                                       "end": stats([e[1] for e in entropy])}})  # fmt: skip
     return summary
 
 
@@ -84,6 +95,17 @@ def markdown(summary: Mapping[str, Any]) -> str:
     for label, row in summary["rows"].items():
         if label not in sweep or label == "closed_form":
             lines.append(line(row["title"], row))
+    adapted = {label: row for label, row in summary["rows"].items() if "anchor" in row}
+    if adapted:
+        lines += ["", "AdaMerging on the unlabeled test inputs, from the merge its anchor row chose on val (change: "
+                  "average accuracy minus the anchor's, in points):", "",
+                  "| method | starts from | its avg acc | avg acc | change | mean entropy, start → end |",
+                  "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+        for row in adapted.values():
+            anchor, change, entropy = summary["rows"][row["anchor"]], row["change"], row["entropy"]
+            lines.append(f"| {row['title']} | {anchor['title']} | {pm(anchor['average'])} | {pm(row['average'])} | "
+                         f"{100 * change['mean']:+.2f} ± {100 * change['std']:.2f} | "
+                         f"{entropy['start']['mean']:.4f} → {entropy['end']['mean']:.4f} |")  # fmt: skip
     lines += ["", "| WUDI steps | avg acc | gap closed |", "|---|---:|---:|"]
     for r in step_rows():
         row = summary["rows"][r.label]

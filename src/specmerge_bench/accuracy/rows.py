@@ -3,7 +3,8 @@
 The main table has one row per :class:`specmerge.methods.Setting` of every registered method, in the
 registry's order: a method declares its benchmark rows (fixed parameters, and a grid swept on the
 validation splits) where it is registered, so a new method is benchmarked without a change here. The
-WUDI step sweep (and D C⁺, its infinite-step limit) is this benchmark's own experiment.
+WUDI step sweep (and D C⁺, its infinite-step limit) and the AdaMerging rows (a chosen merge adapted on the
+unlabeled test inputs, :mod:`specmerge_bench.accuracy.adamerging`) are this benchmark's own experiments.
 """
 
 from __future__ import annotations
@@ -46,3 +47,35 @@ def step_rows() -> list[Row]:
     """The WUDI step sweep (and D C⁺, its limit)."""
     rows = [Row(f"wudi_{s}", f"WUDI {s} steps", (Candidate(f"wudi_{s}", "wudi", {"steps": s}),)) for s in WUDI_STEPS]
     return [*rows, Row("closed_form", "D C⁺ (closed form)", (Candidate("closed_form", "closed_form", {}),))]
+
+
+@dataclass(frozen=True)
+class AdaMergingRow:
+    """A row that adapts the merge its ``anchor`` row chose on val with AdaMerging; shown next to that row."""
+
+    label: str
+    title: str
+    anchor: str
+
+
+ADAMERGING_ROWS = (
+    AdaMergingRow("swudi_adamerging", "SWUDI → AdaMerging", "swudi"),
+    AdaMergingRow("swudi_a_psqrt_adamerging", "SWUDI-A → AdaMerging", "swudi_a_psqrt"),
+)
+
+
+@dataclass(frozen=True)
+class AdaMergingSettings:
+    """The AdaMerging rows' Adam steps and learning rate, inputs per step (split evenly over the tasks) and the seed
+    of their order; the defaults' cost is estimated in :mod:`specmerge_bench.accuracy.adamerging`."""
+
+    steps: int = 200
+    lr: float = 1e-3
+    batch_size: int = 256
+    seed: int = 0
+
+    def describe(self) -> str:
+        return f"steps={self.steps}, lr={self.lr}, batch_size={self.batch_size}, seed={self.seed}"
+
+
+ADAMERGING = AdaMergingSettings()  # the AdaMerging rows' default settings
