@@ -29,6 +29,8 @@ def capabilities(method: Method) -> list[str]:
     """What the method declares about itself, in words (shown by ``specmerge methods``)."""
     found = ["linear in the deltas (merged row block by row block)"] if method.linear else []
     found.append("exact on LoRA cores" if method.factored else "densifies LoRA experts")
+    if method.spectral:
+        found.append("spectral (specmerge tune re-synthesizes its settings from one decomposition per layer)")
     if method.seeded:
         found.append("seeded (random per tensor and expert, reproducible)")
     if method.weighting:
