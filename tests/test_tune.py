@@ -35,6 +35,7 @@ HERE = Path(__file__).parent
 SPACE = {"rank_ratio": [0.55, 0.85], "t": [300.0, 1800.0], "scale": [0.3, 1.0]}
 SMALL = {"rank_ratio": [0.55, 0.85], "t": [300.0, 1800.0], "scale": [0.3]}  # for the tests that start processes
 EVAL = f"{sys.executable} {HERE / 'tune_eval.py'} {{model}}"
+BIGRAM = f"{sys.executable} {HERE / 'tune_eval.py'} --bigram {{model}}"  # no transformers: a faster real score
 
 
 @pytest.fixture(scope="module")
@@ -93,20 +94,23 @@ def test_tune_finds_the_setting_an_exhaustive_loop_over_merges_finds(tmp_path, f
 
 
 def test_an_interrupted_tune_skips_the_settings_already_scored(tmp_path, family):
-    path, out, log = tune_file(tmp_path, family), tmp_path / "t", tmp_path / "evaluated.txt"
-    first = cli("tune", str(path), "--eval", EVAL, "-o", str(out), "-q",
+    path, out, log = tune_file(tmp_path, family, metric="nll"), tmp_path / "t", tmp_path / "evaluated.txt"
+    first = cli("tune", str(path), "--eval", BIGRAM, "-o", str(out), "-q",
                 env={"TUNE_EVAL_LOG": str(log), "TUNE_EVAL_FAIL_AT": "3"})  # fmt: skip
     assert first.returncode != 0 and "exited with 3" in first.stderr and first.stderr.count("\n") == 1
     scored = [json.loads(line)["key"] for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(scored) == 2
-    again = cli("tune", str(path), "--eval", EVAL, "-o", str(out), "-q", env={"TUNE_EVAL_LOG": str(log)})
+    again = cli("tune", str(path), "--eval", BIGRAM, "-o", str(out), "-q", env={"TUNE_EVAL_LOG": str(log)})
     assert again.returncode == 0, again.stderr
     calls = log.read_text().split()
     assert len(calls) == 3 + 2  # 2 scored + the interrupted one, then the other 2 only
     assert not set(calls[3:]) & set(scored)
-    assert len((out / "results.jsonl").read_text().splitlines()) == 4
+    scores = [json.loads(line)["score"] for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(scores) == 4 and len(set(scores)) == 4  # a score that tells the settings apart
     assert (out / "best/model.safetensors").is_file()
-    assert cli("tune", str(path), "--eval", EVAL, "-o", str(out), "-q", env={"TUNE_EVAL_LOG": str(log)}).returncode == 0
+    assert (
+        cli("tune", str(path), "--eval", BIGRAM, "-o", str(out), "-q", env={"TUNE_EVAL_LOG": str(log)}).returncode == 0
+    )
     assert len(log.read_text().split()) == 5  # all scored: nothing evaluated again
 
 
@@ -183,7 +187,7 @@ def test_bad_evaluations_and_folders_are_refused(tmp_path, family):
     for k, (args, message) in enumerate(
         [
             (["--eval", "echo 1"], "must contain {model}"),
-            (["--eval", EVAL, "--strategy", "halving"], "put {budget} in --eval"),
+            (["--eval", BIGRAM, "--strategy", "halving"], "put {budget} in --eval"),
             (["--eval", "test -d {model} && echo not-a-number"], "last line is not a number"),
             (["--eval", 'test -d {model} && echo \'{"a": 1, "b": 2}\'', "--metric", "c"], "no number named 'c'"),
             (["--eval", "test ! -d {model}"], "exited with 1"),
@@ -193,7 +197,7 @@ def test_bad_evaluations_and_folders_are_refused(tmp_path, family):
         assert done.returncode == 2 and message in done.stderr and done.stderr.count("\n") == 1, done.stderr
     (tmp_path / "full").mkdir()
     (tmp_path / "full/notes.txt").write_text("mine")
-    done = cli("tune", str(path), "--eval", EVAL, "-o", str(tmp_path / "full"), "-q")
+    done = cli("tune", str(path), "--eval", BIGRAM, "-o", str(tmp_path / "full"), "-q")
     assert done.returncode == 2 and "not empty" in done.stderr
     assert (tmp_path / "full/notes.txt").read_text() == "mine"
     run = cli("run", str(path), "-o", str(tmp_path / "merged"))

@@ -1,8 +1,10 @@
 """An evaluation for ``specmerge tune`` tests: the perplexity of a tiny causal LM on fixed held-out token sequences.
 
-``python tests/tune_eval.py MODEL`` prints ``{"perplexity": ..., "nll": ...}`` as its last line. For the resume
-test, each call appends the model folder's setting to $TUNE_EVAL_LOG (if set), and the call number $TUNE_EVAL_FAIL_AT
-(1-based, counted in that log) exits with status 3 before scoring, as an interruption would.
+``python tests/tune_eval.py MODEL`` prints ``{"perplexity": ..., "nll": ...}`` as its last line;
+``python tests/tune_eval.py --bigram MODEL`` the cheaper ``{"nll": ...}`` of a bigram model made of the embedding,
+the first layer's MLP and the head (no transformers import, for the tests that only need some real score). For
+the resume test, each call appends the model folder's setting to $TUNE_EVAL_LOG (if set), and the call number
+$TUNE_EVAL_FAIL_AT (1-based, counted in that log) exits with status 3 before scoring, as an interruption would.
 """
 
 from __future__ import annotations
@@ -29,7 +31,22 @@ def perplexity(model: torch.nn.Module) -> dict[str, float]:
     return {"perplexity": math.exp(nll), "nll": nll}
 
 
-def main(folder: str) -> int:
+def bigram_nll(folder: str) -> dict[str, float]:
+    """The next-token NLL on :func:`held_out` of logits = lm_head(h + mlp_0(h)), h = embed(token)."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(folder) / "model.safetensors"))
+    tokens = held_out()
+    h = state["model.embed_tokens.weight"][tokens[:, :-1]]
+    mlp = "model.layers.0.mlp."
+    gated = torch.nn.functional.silu(h @ state[mlp + "gate_proj.weight"].T) * (h @ state[mlp + "up_proj.weight"].T)
+    h = h + gated @ state[mlp + "down_proj.weight"].T
+    logits = (h @ state["lm_head.weight"].T).double()
+    nll = float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)))
+    return {"nll": nll}
+
+
+def main(folder: str, bigram: bool = False) -> int:
     log = os.environ.get("TUNE_EVAL_LOG")
     if log:
         with open(log, "a") as f:
@@ -38,6 +55,9 @@ def main(folder: str) -> int:
         if fail_at and len(Path(log).read_text().splitlines()) == int(fail_at):
             print("interrupted on purpose", file=sys.stderr)
             return 3
+    if bigram:
+        print(json.dumps(bigram_nll(folder)))
+        return 0
     import transformers
 
     torch.manual_seed(0)
@@ -47,4 +67,4 @@ def main(folder: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[-1], bigram="--bigram" in sys.argv[1:-1]))
