@@ -152,3 +152,21 @@ def test_keys_follow_content_so_an_entry_is_never_stale(tmp_path, family):
     third = cached_layers(other, tmp_path / "cache", ["sum"], progress=False, log=log.append)
     assert not {v.folder for v in third.values()} & {v.folder for v in first.values()}
     assert cached_layers(merge_recipe(base, experts, method="ties"), tmp_path / "c2", ["sum"], log=log.append) == {}
+
+
+def test_a_damaged_or_linked_entry_is_one_line_naming_its_folder(tmp_path):
+    tv = stack(3, 12, 8, seed=3)
+    layer = cached(tmp_path, tv, ["sum"])
+    (layer.folder / "spectrum-sum.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match=r"cannot be read.*delete its folder") as err:
+        layer.projection("sum")
+    assert "\n" not in str(err.value)
+    cache = SpectralCache(tmp_path / "linked")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    cache.folder("cd" * 32).parent.mkdir(parents=True)
+    cache.folder("cd" * 32).symlink_to(elsewhere)
+    assert not cache.has("cd" * 32, ["sum"])
+    with pytest.raises(ValueError, match="symbolic link"):
+        cache.write("cd" * 32, *entry_files(FreshLayer(tv), ["sum"]))
+    assert not list(elsewhere.iterdir())

@@ -158,7 +158,7 @@ class SpectralCache:
         """Whether the entry ``key`` holds the ``kind`` spectrum and the projections of ``tau_inits`` (or is a layer
         without a non-zero expert, which needs none)."""
         folder = self.folder(key)
-        if not _regular(folder / "layer.json"):
+        if folder.is_symlink() or not _regular(folder / "layer.json"):
             return False
         if not json.loads((folder / "layer.json").read_text())["n_experts"]:
             return True
@@ -171,6 +171,9 @@ class SpectralCache:
     def write(self, key: str, files: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]], meta: dict) -> int:
         """Write one entry's files (:func:`entry_files`) under ``key``, each atomically; return the bytes written."""
         folder = self.folder(key)
+        if folder.is_symlink():
+            raise ValueError(f"spectral cache entry {folder} is a symbolic link: delete it; the cache writes only its "
+                             "own folders")  # fmt: skip
         folder.mkdir(parents=True, exist_ok=True)
         written = sum(_write(folder / name, tensors, extra) for name, (tensors, extra) in files.items())
         if not (folder / "layer.json").is_file():
@@ -216,13 +219,18 @@ def _read_spectrum(path: Path, device: torch.device) -> Spectrum:
 
 
 def _read(path: Path, device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    if path.is_symlink():
-        raise ValueError(f"spectral cache file {path} is a symbolic link: the cache holds only files it wrote")
-    from safetensors import safe_open
+    if path.is_symlink() or path.parent.is_symlink():
+        raise ValueError(f"spectral cache file {path} is reached through a symbolic link: the cache holds only files "
+                         "it wrote; delete that entry's folder")  # fmt: skip
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(path, "pt") as f:
-        meta = json.loads((f.metadata() or {}).get("specmerge", "{}"))
-    return load_file(path, device=str(device)), meta
+    try:
+        with safe_open(path, "pt") as f:
+            meta = json.loads((f.metadata() or {}).get("specmerge", "{}"))
+        return load_file(path, device=str(device)), meta
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"spectral cache file {path} cannot be read ({err}): delete its folder {path.parent} and "
+                         "run again (it is rebuilt from the inputs)") from None  # fmt: skip
 
 
 def _write(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> int:
