@@ -99,7 +99,7 @@ def markdown(summary: Mapping[str, Any]) -> str:
     if adapted:
         lines += ["", "AdaMerging on the unlabeled test inputs, from the merge its anchor row chose on val (change: "
                   "average accuracy minus the anchor's, in points):", "",
-                  "| method | starts from | its avg acc | avg acc | change | mean entropy, start → end |",
+                  "| method | starts from | start avg acc | avg acc | change | mean entropy, start → end |",
                   "|---|---|---:|---:|---:|---:|"]  # fmt: skip
         for row in adapted.values():
             anchor, change, entropy = summary["rows"][row["anchor"]], row["change"], row["entropy"]
