@@ -235,6 +235,7 @@ class _Merging:
             return self.seconds.get(setting.key, 0.0)
         work.mkdir(exist_ok=True)
         after = unscored[unscored.index(setting) + 1 :] if setting in unscored else []
+        after = [s for s in after if not (work / s.key / "report.json").is_file()]  # merged by an earlier pass
         chosen = [setting, *after[: self._room() - 1]]
         recipes = [_recipe_for(self.recipe, s) for s in chosen]
         start = time.perf_counter()
