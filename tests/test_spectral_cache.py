@@ -170,3 +170,36 @@ def test_a_damaged_or_linked_entry_is_one_line_naming_its_folder(tmp_path):
     with pytest.raises(ValueError, match="symbolic link"):
         cache.write("cd" * 32, *entry_files(FreshLayer(tv), ["sum"]))
     assert not list(elsewhere.iterdir())
+
+
+@pytest.mark.parametrize("shape", ["tall", "square", "wide"])
+def test_settings_sharing_their_products_match_fresh_merges_to_float_rounding(tmp_path, shape):
+    """SWUDI over the paper's r at each t, each product built on the previous r's (tune --reuse-products): the same
+    sum in another order, so equal to 1e-6 relative (float32), and the reuse does happen."""
+    from specmerge.linalg.projection import Projection, shared_update
+    from specmerge.tuning.batch import SharedProducts
+
+    n, d_out, d_in, noise = SHAPES[shape]
+    tv = stack(n, d_out, d_in, seed=11, noise=noise)
+    layer, swudi = cached(tmp_path, tv, ["sum"]), get_method("swudi")
+    grid = PAPER_GRIDS["swudi"]
+    for t in grid["t"]:
+        shared = SharedProducts(layer)
+        for r in grid["rank_ratio"]:
+            params = {"rank_ratio": r, "t": t}
+            fresh = swudi(tv, **params).delta
+            again = swudi.fn(shared, **swudi.validate(params, n)).delta
+            assert float((again - fresh).norm()) <= 1e-6 * float(fresh.norm()), (shape, params)
+        assert len(shared.projection("sum").shared) == len(grid["rank_ratio"])
+    p = layer.projection("sum")
+    q = Projection(p.spectrum, p.start, p.d_norm, p.start_norm, held=p.held)
+    q.shared = []
+    Q, P = p.spectrum.vectors, p.held
+    small, large = torch.arange(4), torch.arange(7)
+    gains = torch.linspace(1.0, 2.0, 7)
+    first = shared_update(q, small, gains[:4], P[:, :4], Q[:, :4])
+    second = shared_update(q, large, gains, P[:, :7], Q[:, :7])  # builds on the first: the last 3 directions added
+    assert torch.equal(first, (P[:, :4] * gains[:4]) @ Q[:, :4].T)
+    assert torch.allclose(second, (P[:, :7] * gains) @ Q[:, :7].T, rtol=0, atol=1e-6 * float(second.abs().max()))
+    third = shared_update(q, large, 2 * gains, P[:, :7], Q[:, :7])  # other gains: nothing to build on, one product
+    assert torch.equal(third, (P[:, :7] * (2 * gains)) @ Q[:, :7].T)

@@ -28,6 +28,7 @@ def tune_command(args: argparse.Namespace) -> int:
         threads=parse_threads(args.threads),
         timeout=args.timeout,
         batch=args.batch,
+        reuse_products=args.reuse_products,
         log=(lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr)),
     )
     best = result.best
@@ -69,6 +70,13 @@ def configure(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="merge up to N settings in one pass over the inputs (their models wait on disk for their evaluation; "
         "never more than half the free disk holds; default 8)",
+    )
+    p.add_argument(
+        "--reuse-products",
+        action="store_true",
+        help="within a pass, spectral settings that keep nested sets of directions (SWUDI at several r) build each "
+        "filter product on the previous one: several times faster on a CPU, equal to specmerge merge to float32 "
+        "rounding instead of bit for bit",
     )
     p.add_argument("--timeout", type=float, help="stop if one evaluation runs longer than this many seconds")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or notes")

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from specmerge.linalg.filters import Filter
+from specmerge.linalg.projection import Projection, projection, shared_update
 from specmerge.linalg.quadratic import NormalEquation, TauInit, initial_point, normal_equation
 from specmerge.linalg.spectrum import Spectrum, decompose, directions
 
@@ -48,81 +49,6 @@ def inverse_gains(spectrum: Spectrum, filt: Filter) -> torch.Tensor:
     (1e-2 relative on SWUDI r = 1).
     """
     return _gains_and_dropped(spectrum, filt)[0]
-
-
-BLOCK_COLUMNS = 512  # B Q is formed in blocks of this many columns, each the same product wherever it is asked for
-
-
-class Projection:
-    """The right-hand side of every direction of one layer for one start: B Q with B = D - tau_init C.
-
-    What :func:`solve` needs besides the filter: the spectrum, the start tau_init (None for zero), ||D||_F and
-    ||tau_init||_F (for the rounding test) and the columns B q_k. Fresh (``residual`` = B), the columns are formed
-    in fixed blocks of BLOCK_COLUMNS when first asked for, each block one product ``B @ Q[:, block]``; held (from a
-    spectral cache), all of them come as stored. Block k is the same product whether one merge asks for it or a
-    cache stores every block, so a setting re-synthesized from a cache gets the same bits as a fresh merge.
-    """
-
-    def __init__(
-        self,
-        spectrum: Spectrum,
-        start: torch.Tensor | None,
-        d_norm: float,
-        start_norm: float,
-        *,
-        residual: torch.Tensor | None = None,
-        held: torch.Tensor | None = None,
-    ) -> None:
-        if (residual is None) == (held is None):
-            raise ValueError("a Projection holds either the residual B or all columns B Q")
-        self.spectrum, self.start, self.d_norm, self.start_norm = spectrum, start, d_norm, start_norm
-        self.residual, self.held = residual, held
-        self._blocks: dict[int, torch.Tensor] = {}
-
-    @property
-    def rows(self) -> torch.Tensor:
-        """A tensor with B's rows, dtype and device (the residual or the held columns)."""
-        return self.residual if self.residual is not None else self.held
-
-    def columns(self, index: torch.Tensor) -> torch.Tensor:
-        """B q_k for the columns ``index`` (ascending) of ``spectrum.vectors``."""
-        if self.held is not None:
-            return self.held[:, index]
-        needed = sorted({int(b) for b in (index // BLOCK_COLUMNS).tolist()})
-        offsets = torch.zeros(self._n_blocks, dtype=torch.long)
-        for position, block in enumerate(needed):
-            offsets[block] = position * BLOCK_COLUMNS
-        gathered = torch.cat([self._block(block) for block in needed], dim=1)
-        cpu_index = index.cpu()
-        return gathered[:, (offsets[cpu_index // BLOCK_COLUMNS] + cpu_index % BLOCK_COLUMNS).to(index.device)]
-
-    def all_columns(self) -> torch.Tensor:
-        """B Q for every column of ``spectrum.vectors`` (what a spectral cache stores)."""
-        if self.held is not None:
-            return self.held
-        return torch.cat([self._block(block) for block in range(self._n_blocks)], dim=1)
-
-    @property
-    def _n_blocks(self) -> int:
-        return -(-self.spectrum.vectors.shape[1] // BLOCK_COLUMNS)
-
-    def _block(self, block: int) -> torch.Tensor:
-        if block not in self._blocks:
-            Q = self.spectrum.vectors
-            self._blocks[block] = self.residual @ Q[:, block * BLOCK_COLUMNS : (block + 1) * BLOCK_COLUMNS]
-        return self._blocks[block]
-
-
-def projection(eq: NormalEquation, spectrum: Spectrum, tau_init: torch.Tensor | None) -> Projection:
-    """The fresh :class:`Projection` of a layer's normal equation for the start ``tau_init`` (None: zero).
-
-    B = D - tau_init C with C itself, not (tau_init Q) diag(lambda): the computed q_k are eigenvectors only up to a
-    residual of eps lambda_1, which D q_k carries and lambda_k tau_init q_k does not; on float32 layers with steep
-    spectra the difference, amplified by SWUDI's gain t, made the result 2-3x less accurate.
-    """
-    residual = eq.D if tau_init is None else eq.D - eq.times_C_once(tau_init)
-    start_norm = 0.0 if tau_init is None else float(tau_init.norm())
-    return Projection(spectrum, tau_init, float(eq.D.norm()), start_norm, residual=residual)
 
 
 def filtered_solve(
@@ -156,12 +82,19 @@ def solve(p: Projection, gains: Filter | torch.Tensor) -> torch.Tensor:
         shape = (p.rows.shape[0], spectrum.vectors.shape[0])
         return p.rows.new_zeros(shape) if p.start is None else p.start.clone()
     Q, lam, inverse = spectrum.vectors[:, active], lam[active], inverse[active]
-    projected = p.columns(active.nonzero().squeeze(1))
+    index = active.nonzero().squeeze(1)
+    projected = p.columns(index)
     if isinstance(gains, Filter):
         informative = projected.norm(dim=0) > _rounding_level(p, lam, inverse, projected)
         if not bool(informative.all()):
-            Q, projected, inverse = Q[:, informative], projected[:, informative], inverse[informative]
-    update = (projected * inverse) @ Q.T
+            Q, projected, inverse, index = (
+                Q[:, informative],
+                projected[:, informative],
+                inverse[informative],
+                index[informative],
+            )
+    shared = p.shared is not None
+    update = shared_update(p, index, inverse, projected, Q) if shared else (projected * inverse) @ Q.T
     return update if p.start is None else p.start + update
 
 

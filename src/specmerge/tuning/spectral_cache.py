@@ -32,8 +32,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specmerge.io.task_vectors import TaskVector
+from specmerge.linalg.projection import Projection
 from specmerge.linalg.quadratic import TauInit
-from specmerge.linalg.solve import FreshLayer, Projection, ProjectionMissing
+from specmerge.linalg.solve import FreshLayer, ProjectionMissing
 from specmerge.linalg.spectrum import Spectrum
 from specmerge.methods import get_method
 from specmerge.pipeline.plan import TensorPlan

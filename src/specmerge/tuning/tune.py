@@ -75,6 +75,7 @@ def tune(
     threads: int | None = None,
     timeout: float | None = None,
     batch: int = 8,
+    reuse_products: bool = False,
     log: Callable[[str], None] = print,
 ) -> TuneResult:
     """Tune ``recipe`` (a :class:`Recipe`, a mapping, or a tune file's path) against an evaluation into ``output``.
@@ -86,7 +87,9 @@ def tune(
     (default ``output/cache``; share one between tunes of the same inputs). ``restart`` discards the scores of an
     earlier tune in ``output`` of another recipe or space instead of refusing. ``batch``: at most this many settings
     are merged in one pass over the inputs (their models wait in ``work/`` for their evaluation; fewer when the
-    disk is short: at most half its free space).
+    disk is short: at most half its free space). ``reuse_products``: within a pass, spectral settings that keep
+    nested sets of directions (SWUDI at several r) build each filter product on the previous one: equal to
+    ``specmerge merge`` to float32 rounding instead of bit for bit, and several times faster on a CPU.
     """
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a whole number >= 1 (settings merged in one pass), got {batch!r}")
@@ -108,7 +111,7 @@ def tune(
     layers = _layers(recipe, settings, Path(cache) if cache is not None else folder / "cache", progress, log)
     strategy = Strategy(options.strategy, options.eta, options.min_budget, options.maximize)
 
-    merging = _Merging(recipe, folder, layers, threads, batch)
+    merging = _Merging(recipe, folder, layers, threads, batch, reuse_products)
 
     def score(setting: Setting, budget: float) -> float:
         found = results.find(setting.key, budget)
@@ -222,8 +225,11 @@ class _Merging:
     round's next unscored settings in one pass (:func:`~specmerge.tuning.batch.run_settings`), as many as half the
     free disk holds; a setting whose plan differs beyond parameters is merged alone."""
 
-    def __init__(self, recipe: Recipe, folder: Path, layers: dict, threads: int | None, batch: int) -> None:
+    def __init__(
+        self, recipe: Recipe, folder: Path, layers: dict, threads: int | None, batch: int, reuse: bool = False
+    ) -> None:
         self.recipe, self.folder, self.layers, self.threads, self.batch = recipe, folder, layers, threads, batch
+        self.reuse = reuse
         self.round: list[Setting] = []
         self.seconds: dict[str, float] = {}
         self.model_bytes: int | None = None
@@ -241,7 +247,8 @@ class _Merging:
         start = time.perf_counter()
         if len(chosen) > 1:
             try:
-                run_settings(recipes, [work / s.key for s in chosen], layers=self.layers, threads=self.threads)
+                outputs = [work / s.key for s in chosen]
+                run_settings(recipes, outputs, layers=self.layers, threads=self.threads, reuse=self.reuse)
             except NotBatchable:
                 chosen, recipes = chosen[:1], recipes[:1]
         if len(chosen) == 1:
