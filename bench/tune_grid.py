@@ -13,7 +13,6 @@ settings merged in one pass from the cache (bitwise, max |difference|). Prints a
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import shutil
@@ -34,6 +33,7 @@ from specmerge.tuning.batch import run_settings
 from specmerge.tuning.cache_build import cached_layers
 from specmerge.tuning.space import PAPER_GRIDS
 from specmerge.tuning.tune import tune
+from specmerge_bench.inputs import Parser, model_family
 
 GRID = [
     {"rank_ratio": r, "t": t}
@@ -82,7 +82,7 @@ def compare(a: Path, b: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", type=Path, required=True, help="base/ and expert*/ (bench/memory.py generate)")
     parser.add_argument("--work", type=Path, required=True, help="scratch folder (outputs, the cache)")
     parser.add_argument("--device", default="cpu")
@@ -90,9 +90,11 @@ def main() -> None:
     parser.add_argument("--settings", type=int, default=36, help="settings of the grid to run (default all 36)")
     parser.add_argument("--batch", type=int, default=8, help="settings merged per pass (tune --batch)")
     args = parser.parse_args()
+    _, experts = model_family(parser, args.models, "expert", generate="python bench/memory.py generate --models DIR")
+    if not 0 <= args.separate <= 36 or not 1 <= args.settings <= 36 or args.batch < 1:
+        parser.error("--settings is 1-36, --separate 0-36 and --batch at least 1")
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
-    experts = sorted(p for p in args.models.iterdir() if p.name.startswith("expert"))
     result: dict = {"device": args.device, "torch_threads": torch.get_num_threads(), "experts": len(experts)}
     result["write_floor_s"] = write_floor(args.models / "base", work / "floor")
     print(json.dumps(result), flush=True)
