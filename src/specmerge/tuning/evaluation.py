@@ -89,15 +89,20 @@ def uses_budget(command: str) -> bool:
     return "{budget}" in command
 
 
+def takes_budget(fn: Callable[..., Any]) -> bool:
+    """Whether the Python evaluation ``fn`` accepts the share of the evaluation as ``budget=``."""
+    return "budget" in inspect.signature(fn).parameters
+
+
 def callable_evaluator(
     fn: Callable[..., Any], metric: str | None = None, *, module: torch.nn.Module | None = None
 ) -> Evaluate:
     """An evaluation calling ``fn`` with the model folder, or ``module`` holding the merged weights."""
-    takes_budget = "budget" in inspect.signature(fn).parameters
+    with_budget = takes_budget(fn)
 
     def evaluate(model: Path, budget: float) -> dict[str, float]:
         subject: Any = model if module is None else load_into(module, model)
-        value = fn(subject, budget=budget) if takes_budget else fn(subject)
+        value = fn(subject, budget=budget) if with_budget else fn(subject)
         score, numbers = score_of(value, metric, f"evaluate({getattr(fn, '__name__', 'fn')})")
         return {"score": score, **numbers}
 
@@ -112,7 +117,8 @@ def load_into(module: torch.nn.Module, folder: Path) -> torch.nn.Module:
     for file in sorted(folder.glob("*.safetensors")):
         state.update(load_file(file))
     result = module.load_state_dict(state, strict=False)
-    missing = [n for n in result.missing_keys if n not in dict(module.named_buffers())]
+    buffers = {name for name, _ in module.named_buffers()}
+    missing = [n for n in result.missing_keys if n not in buffers]
     if missing or result.unexpected_keys:
         raise EvaluationError(
             f"the merged model's tensors do not match the module given: missing {missing[:3]}, unexpected "

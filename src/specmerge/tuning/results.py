@@ -38,26 +38,29 @@ class ResultsLog:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.entries: list[Scored] = []
+        self._index: dict[tuple[str, float], Scored] = {}  # (key, budget) -> the first score of it
         lines = path.read_text().splitlines() if path.is_file() else []
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
-                self.entries.append(Scored(**json.loads(line)))
+                entry = Scored(**json.loads(line))
             except (json.JSONDecodeError, TypeError):
                 if number == len(lines):  # cut short by an interruption: dropped, and that setting scored again
                     path.write_text("".join(f"{text}\n" for text in lines[:-1]))
                     continue
                 raise ValueError(f"{path}:{number}: not a results line; move the file away to start afresh") from None
+            self._remember(entry)
+
+    def _remember(self, entry: Scored) -> None:
+        self.entries.append(entry)
+        self._index.setdefault((entry.key, entry.budget), entry)
 
     def find(self, key: str, budget: float) -> Scored | None:
-        for entry in self.entries:
-            if entry.key == key and entry.budget == budget:
-                return entry
-        return None
+        return self._index.get((key, budget))
 
     def add(self, entry: Scored) -> None:
-        self.entries.append(entry)
+        self._remember(entry)
         with self.path.open("a") as f:
             f.write(json.dumps(asdict(entry)) + "\n")
             f.flush()

@@ -45,8 +45,12 @@ class Strategy:
         sizes = []
         for _ in self.budgets():
             sizes.append(n)
-            n = max(1, math.ceil(n / self.eta))
+            n = self.kept(n)
         return sizes
+
+    def kept(self, n: int) -> int:
+        """How many of a round's ``n`` settings go on to the next round: the best ceil(n / eta)."""
+        return max(1, math.ceil(n / self.eta))
 
     def better(self, score: float, than: float) -> bool:
         return score > than if self.maximize else score < than
@@ -86,7 +90,6 @@ def search(
                     bar.set_postfix_str(f"best {best[1]:.6g}", refresh=False)
             if budget < 1.0:
                 order = sorted(range(len(survivors)), key=lambda i: -scores[i] if strategy.maximize else scores[i])
-                keep = max(1, math.ceil(len(survivors) / strategy.eta))
-                survivors = [survivors[i] for i in sorted(order[:keep])]
+                survivors = [survivors[i] for i in sorted(order[: strategy.kept(len(survivors))])]
     assert best is not None
     return best

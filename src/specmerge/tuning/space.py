@@ -37,6 +37,7 @@ PAPER_GRIDS: dict[str, dict[str, tuple[Any, ...]]] = {  # the paper's grids beyo
     "swudi": {"rank_ratio": (0.55, 0.60, 0.65, 0.70, 0.75, 0.85), "t": (300.0, 500.0, 700.0, 1000.0, 1300.0, 1800.0)},
 }
 STRATEGIES = ("grid", "halving")
+SECTION_KEYS = ("space", "strategy", "metric", "maximize", "eta", "min_budget")  # the keys of ``tune:``
 
 
 @dataclass(frozen=True)
@@ -143,11 +144,10 @@ def parse_options(method: Method, section: Any, fixed: Mapping[str, Any]) -> Tun
     """The ``tune:`` section of a tune file (None: every default), validated (one line per mistake)."""
     section = {} if section is None else section
     if not isinstance(section, Mapping):
-        raise RecipeError(f"tune: is a mapping (space, strategy, metric, maximize, eta, min_budget), got {section!r}")
-    unknown = set(section) - {"space", "strategy", "metric", "maximize", "eta", "min_budget"}
+        raise RecipeError(f"tune: is a mapping ({', '.join(SECTION_KEYS)}), got {section!r}")
+    unknown = set(section) - set(SECTION_KEYS)
     if unknown:
-        raise RecipeError(f"tune: unknown key(s) {sorted(unknown)}; known: space, strategy, metric, maximize, eta, "
-                          "min_budget")  # fmt: skip
+        raise RecipeError(f"tune: unknown key(s) {sorted(unknown)}; known: {', '.join(SECTION_KEYS)}")
     strategy = section.get("strategy", "grid")
     if strategy not in STRATEGIES:
         raise RecipeError(f"tune.strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")

@@ -35,7 +35,7 @@ from specmerge.pipeline.inputs import refuse_output_inside_inputs
 from specmerge.pipeline.layered import validate_layered
 from specmerge.pipeline.recipe import Recipe, load_recipe_with
 from specmerge.tuning.batch import NotBatchable, run_settings
-from specmerge.tuning.evaluation import Evaluate, callable_evaluator, command_evaluator, uses_budget
+from specmerge.tuning.evaluation import Evaluate, callable_evaluator, command_evaluator, takes_budget, uses_budget
 from specmerge.tuning.results import ResultsLog, Scored, write_plots, write_tables
 from specmerge.tuning.search import Strategy, search
 from specmerge.tuning.space import Setting, TuneOptions, parse_options
@@ -170,9 +170,7 @@ def _evaluation(
         if halving and not uses_budget(command):
             raise ValueError("strategy halving runs each round on a share of the evaluation: put {budget} in --eval")
         return command_evaluator(command, options.metric, timeout=timeout), command
-    import inspect
-
-    if halving and "budget" not in inspect.signature(evaluate).parameters:
+    if halving and not takes_budget(evaluate):
         raise ValueError("strategy halving runs each round on a share of the evaluation: evaluate must take budget=")
     return callable_evaluator(evaluate, options.metric, module=module), f"python:{getattr(evaluate, '__name__', '?')}"
 
@@ -202,21 +200,18 @@ def _open_folder(folder: Path, state: dict[str, Any], restart: bool) -> ResultsL
 
 def _layers(recipe: Recipe, settings: list[Setting], root: Path, progress: bool, log: Callable[[str], None]) -> dict:
     """The spectral cache's layers for every start the settings use ({} when the method is not spectral)."""
-    methods = {recipe.method, *(o.method for o in recipe.overrides if o.method)}
-    if not any(get_method(m).spectral for m in methods):
+    method = get_method(recipe.method)
+    starts = set()
+    if method.spectral:  # the settings' own starts
+        starts |= {validate_layered(method, {**recipe.params, **s.params})["tau_init"] for s in settings}
+    for override in recipe.overrides:  # and each spectral override's
+        other = get_method(override.method or recipe.method)
+        if other.spectral:
+            starts.add(validate_layered(other, override.params or {})["tau_init"])
+    if not starts:
         return {}
     from specmerge.tuning.cache_build import cached_layers
 
-    starts = set()
-    for setting in settings:
-        for name in methods:
-            m = get_method(name)
-            if m.spectral:
-                params = {**recipe.params, **setting.params} if name == recipe.method else {}
-                starts.add(validate_layered(m, params)["tau_init"])
-    for override in recipe.overrides:
-        if override.method and get_method(override.method).spectral:
-            starts.add(validate_layered(get_method(override.method), override.params or {})["tau_init"])
     return cached_layers(recipe, root, sorted(starts), progress=progress, log=log)
 
 
@@ -281,7 +276,7 @@ def _keep_best(folder: Path, setting: Setting) -> None:
         (folder / "best.json").unlink(missing_ok=True)
         _discard(folder / "best")
         os.replace(work, folder / "best")
-        (folder / "best.json").write_text(json.dumps({"key": setting.key, "params": dict(setting.params)}))
+        _mark_best(folder, setting)
 
 
 def _finish_best(recipe: Recipe, best: Scored, folder: Path, layers: dict, threads: int | None) -> Path:
@@ -291,12 +286,17 @@ def _finish_best(recipe: Recipe, best: Scored, folder: Path, layers: dict, threa
         marker.unlink(missing_ok=True)
         run_recipe(_recipe_for(recipe, Setting(best.params)), target, overwrite=True, progress=False, threads=threads,
                    layers=layers)  # fmt: skip
-        marker.write_text(json.dumps({"key": best.key, "params": best.params}))
+        _mark_best(folder, Setting(best.params))
     for file in target.iterdir():
         if file.is_file():
             with file.open("rb") as f:
                 os.fsync(f.fileno())
     return target
+
+
+def _mark_best(folder: Path, setting: Setting) -> None:
+    """``best.json``: which setting the model in ``best/`` is."""
+    (folder / "best.json").write_text(json.dumps({"key": setting.key, "params": dict(setting.params)}))
 
 
 def _discard(path: Path) -> None:
