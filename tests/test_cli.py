@@ -42,6 +42,8 @@ MERGE_SAMPLES = {
     "max_rank": (["--max-rank", "8"], 8),
     "config_source": (["--config-source", "e2"], "e2"),
     "tokenizer_source": (["--tokenizer-source", "e2"], "e2"),
+    "executor": (["--executor", "ray"], "ray"),
+    "address": (["--executor", "ray", "--address", "ray://head:10001"], "ray://head:10001"),
     "overrides": (
         ["--override", "*.mlp.*=keep_base", "--override", "*norm*=average"],
         [Override(pattern="*.mlp.*", action="keep_base"), Override(pattern="*norm*", action="average")],

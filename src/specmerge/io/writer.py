@@ -9,6 +9,7 @@ the model's other files come from :mod:`specmerge.io.model_files`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import threading
@@ -108,6 +109,41 @@ class ShardWriter:
         With ``row_start`` the tensor is a block of rows (dim 0) of the planned tensor, written at
         its place; the tensor counts as written once all its bytes are in. Blocks must not overlap.
         """
+        slot, offset, complete, fd = self._accept(name, tuple(tensor.shape), tensor.dtype, row_start)
+        try:
+            if tensor.numel():
+                _pwrite_all(fd, _tensor_bytes(tensor), offset, self._lock)
+        except BaseException:
+            with self._lock:
+                self._written.discard(name)  # close() then reports it as never written
+            raise
+        self._record(slot, complete, tensor.numel() * tensor.dtype.itemsize)
+
+    def placements(self) -> dict[str, Placement]:
+        """Where every planned tensor goes, for other processes to write it with :func:`write_at`; every shard
+        file is created (its size reserved) first. Each tensor so written is then declared with :meth:`written`."""
+        with self._lock:
+            if self._closed:
+                raise ValueError("cannot hand out placements: the writer is closed")
+            for shard in range(len(self.files)):
+                if shard not in self._fds and self._remaining[shard]:
+                    self._fds[shard] = self._create(shard)
+            return {
+                name: Placement(str(self.files[slot.shard]), slot.offset, slot.info.shape, slot.info.dtype)
+                for name, slot in self._slots.items()
+            }
+
+    def written(self, name: str, shape: Sequence[int], dtype: torch.dtype, *, row_start: int | None = None) -> None:
+        """Declare a tensor (or block of rows) of this shape and dtype written at its placement by another process;
+        checked and counted as :meth:`write` does (the shard's header follows once all its tensors are in)."""
+        slot, _, complete, _ = self._accept(name, tuple(shape), dtype, row_start)
+        self._record(slot, complete, math.prod(shape) * dtype.itemsize)
+
+    def _accept(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, row_start: int | None
+    ) -> tuple[_Slot, int, bool, int]:
+        """Check a tensor (or block) against the plan and reserve it: its slot, byte offset, whether it completes
+        the tensor, and its shard's open file."""
         with self._lock:
             if self._closed:
                 raise ValueError(f"cannot write tensor '{name}': the writer is closed")
@@ -116,40 +152,20 @@ class ShardWriter:
                 raise ValueError(f"tensor '{name}' is not in the write plan ({len(self._slots)} planned tensors)")
             if name in self._written:
                 raise ValueError(f"tensor '{name}' was already written")
-            expected = slot.info
-            offset, complete = slot.offset, True
-            if row_start is None:
-                if tuple(tensor.shape) != expected.shape or tensor.dtype != expected.dtype:
-                    raise ValueError(
-                        f"tensor '{name}': expected shape {list(expected.shape)} {expected.dtype}, "
-                        f"got shape {list(tensor.shape)} {tensor.dtype}"
-                    )
-            else:
-                rows = tensor.shape[0] if tensor.dim() else -1
-                if (
-                    tensor.dtype != expected.dtype
-                    or tuple(tensor.shape[1:]) != expected.shape[1:]
-                    or not 0 <= row_start <= row_start + rows <= (expected.shape[0] if expected.shape else -1)
-                ):
-                    raise ValueError(
-                        f"tensor '{name}': rows from {row_start} of shape {list(tensor.shape)} {tensor.dtype} do not "
-                        f"fit the planned shape {list(expected.shape)} {expected.dtype}"
-                    )
-                offset += row_start * (expected.nbytes // expected.shape[0])
-                self._partial[name] = self._partial.get(name, 0) + tensor.numel() * tensor.dtype.itemsize
-                complete = self._partial[name] >= expected.nbytes
+            offset = _offset(slot, shape, dtype, row_start)
+            complete = True
+            if row_start is not None:
+                self._partial[name] = self._partial.get(name, 0) + math.prod(shape) * dtype.itemsize
+                complete = self._partial[name] >= slot.info.nbytes
             fd = self._fds.get(slot.shard)
             if fd is None:
                 fd = self._fds[slot.shard] = self._create(slot.shard)
             if complete:
                 self._written.add(name)  # reserved; the bytes are written outside the lock
-        try:
-            if tensor.numel():
-                _pwrite_all(fd, _tensor_bytes(tensor), offset, self._lock)
-        except BaseException:
-            with self._lock:
-                self._written.discard(name)  # close() then reports it as never written
-            raise
+        return slot, offset, complete, fd
+
+    def _record(self, slot: _Slot, complete: bool, nbytes: int) -> None:
+        """After a tensor's bytes are in: finish its shard when it was the last, else sync in the background."""
         with self._lock:
             if complete:
                 self._remaining[slot.shard] -= 1
@@ -157,7 +173,7 @@ class ShardWriter:
                     self._finish(slot.shard)
                     return
             if self._fsync:
-                self._unsynced[slot.shard] = self._unsynced.get(slot.shard, 0) + tensor.numel() * tensor.dtype.itemsize
+                self._unsynced[slot.shard] = self._unsynced.get(slot.shard, 0) + nbytes
                 if self._unsynced[slot.shard] >= SYNC_BYTES:
                     self._start_sync(slot.shard)
 
@@ -270,6 +286,55 @@ class ShardWriter:
             os.close(fd)
         self._fds.clear()
         self._closed = True
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one planned tensor's bytes go: its shard file (created by :meth:`ShardWriter.placements`), the byte
+    offset of its data there, its shape and dtype. Picklable: another process writes with :func:`write_at`."""
+
+    path: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def write_at(placement: Placement, name: str, tensor: torch.Tensor, *, row_start: int | None = None) -> None:
+    """Write ``tensor`` (or a block of rows from ``row_start``) at its placement, from any process: the file is
+    opened for writing only (never created or truncated), written with positional writes, and closed."""
+    slot = _Slot(TensorInfo(name, placement.shape, placement.dtype), 0, placement.offset)
+    offset = _offset(slot, tuple(tensor.shape), tensor.dtype, row_start)
+    if not tensor.numel():
+        return
+    fd = os.open(placement.path, os.O_WRONLY | getattr(os, "O_BINARY", 0))
+    try:
+        _pwrite_all(fd, _tensor_bytes(tensor), offset, None)
+    finally:
+        os.close(fd)
+
+
+def _offset(slot: _Slot, shape: tuple[int, ...], dtype: torch.dtype, row_start: int | None) -> int:
+    """The byte offset of a tensor (or a block of rows from ``row_start``) of this shape and dtype in its slot's
+    file; a shape or dtype that does not fit the plan is refused, naming the tensor."""
+    expected, name = slot.info, slot.info.name
+    if row_start is None:
+        if shape != expected.shape or dtype != expected.dtype:
+            raise ValueError(
+                f"tensor '{name}': expected shape {list(expected.shape)} {expected.dtype}, "
+                f"got shape {list(shape)} {dtype}"
+            )
+        return slot.offset
+    rows = shape[0] if shape else -1
+    if (
+        dtype != expected.dtype
+        or shape[1:] != expected.shape[1:]
+        or not 0 <= row_start <= row_start + rows <= (expected.shape[0] if expected.shape else -1)
+    ):
+        raise ValueError(
+            f"tensor '{name}': rows from {row_start} of shape {list(shape)} {dtype} do not "
+            f"fit the planned shape {list(expected.shape)} {expected.dtype}"
+        )
+    return slot.offset + row_start * (expected.nbytes // expected.shape[0])
 
 
 def _fsync_and_close(fd: int) -> None:

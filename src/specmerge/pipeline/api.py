@@ -51,7 +51,7 @@ def merge(
     progress: bool = True,
     fsync: bool = True,
     threads: int | None = None,
-    executor: Executor | None = None,
+    executor: Executor | str | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Merge ``experts`` (fine-tuned from ``base``) into a new model folder ``output``; return the report.
@@ -60,9 +60,12 @@ def merge(
     see :class:`specmerge.pipeline.recipe.Recipe`. Everything is validated before any tensor is read. With
     ``fsync`` (default) the shards are flushed to disk before the folder is renamed into place. ``threads``
     is torch's thread count during the merge (default: chosen from the CPUs free,
-    see :mod:`specmerge.pipeline.threads`). ``executor`` runs the work items (default:
-    :class:`~specmerge.pipeline.executor.StreamingExecutor`).
+    see :mod:`specmerge.pipeline.threads`). ``executor`` runs the work items: an
+    :class:`~specmerge.pipeline.work.Executor`, or the recipe's name for one, ``"local"`` (the default,
+    :class:`~specmerge.pipeline.executor.StreamingExecutor`) or ``"ray"`` (with ``address=``).
     """
+    if isinstance(executor, str):
+        options, executor = {**options, "executor": executor}, None
     recipe = merge_recipe(base, experts, method=method, params=params, **options)
     return run_recipe(
         recipe, output, overwrite=overwrite, progress=progress, fsync=fsync, threads=threads, executor=executor
@@ -141,7 +144,7 @@ def run_recipe(
     :class:`~specmerge.pipeline.jobs.ModelJob`); the output is the same.
     """
     check_threads(threads)
-    executor = StreamingExecutor() if executor is None else executor
+    executor = executor_for(recipe, threads) if executor is None else executor
     output = Path(output)
     refuse_output_inside_inputs(output, [recipe.base, *recipe.experts])
     check_output(output, overwrite)  # before any work: parent exists, an existing folder may be replaced
@@ -157,8 +160,21 @@ def run_recipe(
             else:
                 reports, extra = _write_model(prepared, folder, options, executor, progress, fsync, layers)
             extra = {"threads": threads_used.threads, "threads_from": threads_used.source, **extra}
+            if hasattr(executor, "describe"):
+                extra["executor"] = executor.describe()
             report = record_output(prepared, folder, output, options, reports, extra, started)
     return report
+
+
+def executor_for(recipe: Recipe, threads: int | None = None) -> Executor:
+    """The executor a recipe names: ``local`` (:class:`~specmerge.pipeline.executor.StreamingExecutor`) or ``ray``
+    (:class:`~specmerge.pipeline.ray_executor.RayExecutor` at the recipe's ``address``, each task asking for
+    ``threads`` CPUs, default 1; Ray must be installed)."""
+    if recipe.executor == "ray":
+        from specmerge.pipeline.ray_executor import RayExecutor
+
+        return RayExecutor(recipe.address, cpus_per_task=threads or 1, threads=threads)
+    return StreamingExecutor()
 
 
 def _write_model(
@@ -172,7 +188,10 @@ def _write_model(
 ) -> tuple[list[TensorReport], dict]:
     plan = prepared.plan
     with shard_writer(prepared, folder, fsync) as writer:  # closes (index, completeness check) on success, else aborts
-        job = ModelJob(plan, prepared.base, prepared.experts, writer.write, options, fsync=fsync, layers=layers)
+        job = ModelJob(
+            plan, prepared.base, prepared.experts, writer.write, options,
+            fsync=fsync, layers=layers, recipe=prepared.recipe, shards=writer,
+        )  # fmt: skip
         reports = executor.run(job, progress=progress)
     model_files(prepared, folder)
     return reports, {}
@@ -248,7 +267,7 @@ def _write_adapter(
 ) -> tuple[list[TensorReport], dict]:
     recipe, plan, experts = prepared.recipe, prepared.plan, prepared.experts
     out_dtype = DTYPES[recipe.dtype] if recipe.dtype != "auto" else experts[0].adapter.dtype
-    job = AdapterJob(plan, experts, options, max_rank=recipe.max_rank, out_dtype=out_dtype)
+    job = AdapterJob(plan, experts, options, max_rank=recipe.max_rank, out_dtype=out_dtype, recipe=recipe)
     reports = executor.run(job, progress=progress)
     factors = job.factors()
     ranks = {name: f.rank for name, f in factors.items()}

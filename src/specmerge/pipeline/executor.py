@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
@@ -41,6 +41,9 @@ def prefetched(items: Sequence[T], read: Callable[[T], R]) -> Iterator[tuple[T, 
 
 class StreamingExecutor:
     """Runs a job's work items in plan order: reads one ahead, computes here, delivers one behind."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": "local"}
 
     def run(self, job: Job, *, progress: bool = True) -> list[TensorReport]:
         """Read, compute and deliver every item of ``job``; the per-tensor report, in plan order.

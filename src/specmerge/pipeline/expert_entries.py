@@ -9,7 +9,9 @@ anything is read.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from specmerge.errors import RecipeError, unknown_name_message
@@ -84,3 +86,18 @@ def check_weights(weights: Sequence[float] | None, uses: Sequence[tuple[str, Map
                 method.linear_coefficient(at_position(params, None), len(weights), weights)
         except ValueError as err:
             raise RecipeError(str(err)) from None
+
+
+def default_expert_keys(experts: Sequence[str]) -> list[str]:
+    """Each expert's folder/file name; where names repeat, as many parent folders as make them unique."""
+    parts = [Path(os.path.normpath(e)).parts or (e,) for e in experts]
+    keys = [p[-1] for p in parts]
+    depth = 1
+    while len(set(keys)) < len(keys) and depth < max(len(p) for p in parts):
+        depth += 1
+        repeated = {k for k in keys if keys.count(k) > 1}
+        keys = ["/".join(p[-depth:]) if k in repeated else k for p, k in zip(parts, keys, strict=True)]
+    for i, key in enumerate(keys):  # still equal (cannot happen for distinct paths): number them
+        if keys.count(key) > 1:
+            keys[i] = f"{key}#{i}"
+    return keys

@@ -137,6 +137,7 @@ def input_notes(
 def portable_recipe(recipe: Recipe, resolved: Sequence[InputResolution], output: str | os.PathLike) -> Recipe:
     """``recipe`` as written into ``output``: its base and experts named by :func:`portable_spec` (hub ids pinned
     to the commit read, local paths relative to the output folder); ``load_recipe`` of the written file gives the
-    same inputs from any working folder. Expert keys stay as they are (the written recipe states them)."""
+    same inputs from any working folder. Expert keys stay as they are (the written recipe states them). The executor
+    is left out (``local``): it does not change the output, and a cluster's address is no part of the model."""
     names = [portable_spec(r, output) for r in resolved]
-    return recipe.model_copy(update={"base": names[0], "experts": names[1:]})
+    return recipe.model_copy(update={"base": names[0], "experts": names[1:], "executor": "local", "address": None})

@@ -57,6 +57,7 @@ FILE_OPTIONS: dict[str, str] = {
     "config_source": "the tensor names are the base's; choose another config with specmerge.merge",
     "tokenizer_source": "experts with added tokens are matched by their tokenizer files: use specmerge.merge",
     "modules": "own modules of experts (tensors the base lacks) are merged by specmerge.merge",
+    "address": "an in-memory merge runs in this process; merge saved folders with specmerge.merge on a Ray cluster",
 }
 
 
@@ -68,7 +69,7 @@ def merge_state_dicts(
     params: Mapping[str, Any] | None = None,
     progress: bool = False,
     threads: int | None = None,
-    executor: Executor | None = None,
+    executor: Executor | str | None = None,
     **options: Any,
 ) -> dict[str, torch.Tensor]:
     """Merge ``experts`` (fine-tuned from ``base``) in memory; the merged state dict, in the base's order.
@@ -80,8 +81,14 @@ def merge_state_dicts(
     one); ``threads`` and ``executor`` as in :func:`specmerge.merge`; ``progress`` shows a progress bar.
     """
     check_threads(threads)
+    if isinstance(executor, str) and executor != "local":
+        raise RecipeError(
+            f"executor {executor!r} does not apply to an in-memory merge: Ray workers read the inputs from files; "
+            "save the models and use specmerge.merge(..., executor='ray')",
+            ("executor",),
+        )
     recipe = memory_recipe(experts, method=method, params=params, **options)
-    executor = StreamingExecutor() if executor is None else executor
+    executor = StreamingExecutor() if executor is None or executor == "local" else executor
     compute = ComputeOptions.for_recipe(recipe)  # device, compute dtype, expert weights: as specmerge.merge
     weights = base_weights(base)
     with ExitStack() as stack:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -37,12 +37,26 @@ from pydantic import (
 from specmerge.errors import RecipeError, unknown_name_message
 from specmerge.io.hub import HUB_SPEC, absolute_spec
 from specmerge.methods import all_methods, get_method
-from specmerge.pipeline.expert_entries import WEIGHTS_HELP, check_weights, normalize_weights, split_entries
+from specmerge.pipeline.expert_entries import (
+    WEIGHTS_HELP,
+    check_weights,
+    default_expert_keys,
+    normalize_weights,
+    split_entries,
+)
 from specmerge.pipeline.input_choice import BASE, CONFIG_SOURCE_HELP, MODULES_HELP, ConfigSource, ModuleSources
 from specmerge.pipeline.layered import validate_layered
 from specmerge.pipeline.recipe_errors import line_of, recipe_error
 from specmerge.pipeline.tokenizer_source import TOKENIZER_SOURCE_HELP, UNION, TokenizerSource
-from specmerge.pipeline.values import Device, Flag, dtype_name, override_shorthands, parse_size
+from specmerge.pipeline.values import (
+    ADDRESS_HELP,
+    EXECUTOR_HELP,
+    Device,
+    Flag,
+    dtype_name,
+    override_shorthands,
+    parse_size,
+)
 
 # Output and compute dtypes a recipe may name.
 DTYPES: dict[str, torch.dtype] = {
@@ -155,6 +169,8 @@ class Recipe(BaseModel):
     config_source: ConfigSource = Field(default=BASE, description=CONFIG_SOURCE_HELP)
     modules: ModuleSources = Field(default_factory=dict, validate_default=True, description=MODULES_HELP)
     tokenizer_source: TokenizerSource = Field(default=UNION, description=TOKENIZER_SOURCE_HELP)
+    executor: Literal["local", "ray"] = Field(default="local", description=EXECUTOR_HELP)
+    address: Annotated[str | None, Flag(metavar="ADDRESS")] = Field(default=None, description=ADDRESS_HELP)
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -317,24 +333,13 @@ class Recipe(BaseModel):
     def _lora_only_options(self) -> Recipe:
         if self.max_rank is not None and self.output_format != "lora":
             raise RecipeError("max_rank applies only to output_format lora; remove it or set output_format: lora")
+        if self.address is not None and self.executor != "ray":
+            raise RecipeError(
+                "address is a Ray cluster's: it applies only to executor ray; remove it or set executor: ray"
+            )
         merging = [(o.method or self.method, o.params) for o in self.overrides if o.action == "merge"]
         check_weights(self.expert_weights, [(self.method, self.params), *merging])
         return self
-
-
-def default_expert_keys(experts: Sequence[str]) -> list[str]:
-    """Each expert's folder/file name; where names repeat, as many parent folders as make them unique."""
-    parts = [Path(os.path.normpath(e)).parts or (e,) for e in experts]
-    keys = [p[-1] for p in parts]
-    depth = 1
-    while len(set(keys)) < len(keys) and depth < max(len(p) for p in parts):
-        depth += 1
-        repeated = {k for k in keys if keys.count(k) > 1}
-        keys = ["/".join(p[-depth:]) if k in repeated else k for p, k in zip(parts, keys, strict=True)]
-    for i, key in enumerate(keys):  # still equal (cannot happen for distinct paths): number them
-        if keys.count(key) > 1:
-            keys[i] = f"{key}#{i}"
-    return keys
 
 
 def load_recipe(path: str | os.PathLike) -> Recipe:

@@ -41,6 +41,12 @@ def check_device(device: str) -> str:
 
 Device = Annotated[str, AfterValidator(check_device)]
 
+EXECUTOR_HELP = (
+    "what runs the work: local (this process: read ahead, compute, write behind) or ray (Ray tasks over the CPUs "
+    "and GPUs of this machine or a cluster; pip install 'specmerge[ray]'); the output is the same bits"
+)
+ADDRESS_HELP = "with executor ray: the cluster to use (auto, or ray://host:10001); default a local one for the merge"
+
 # Dtype spellings people type (mergekit's bf16/fp16, torch's torch.float32) -> the names a recipe holds.
 DTYPE_ALIASES = {
     "bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16", "fp32": "float32", "f32": "float32",

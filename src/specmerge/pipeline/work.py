@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -129,8 +130,29 @@ class Job(Protocol):
     def deliver(self, item: WorkItem, output: Any) -> None: ...
 
 
+class WorkerSpec(Protocol):
+    """A job as another process runs it (picklable): ``open`` opens the inputs by path there and returns the job
+    whose ``deliver`` puts each output in place (a shard at its offset) and returns what goes back to the driver
+    (None, or small outputs such as LoRA factors); ``key`` is one per run."""
+
+    key: str
+
+    def open(self, stack: ExitStack) -> Job: ...
+
+
+class RemoteJob(Job, Protocol):
+    """A job whose items other processes may run (:class:`specmerge.pipeline.ray_executor.RayExecutor`):
+    ``remote()`` gives the :class:`WorkerSpec`, and the driver calls ``delivered(item, returned)`` for every item
+    a worker finished, with what that worker's ``deliver`` returned."""
+
+    def remote(self) -> WorkerSpec: ...
+
+    def delivered(self, item: WorkItem, returned: Any) -> None: ...
+
+
 class Executor(Protocol):
-    """Runs every work item of a job (read, compute, deliver) and returns the per-tensor report."""
+    """Runs every work item of a job (read, compute, deliver) and returns the per-tensor report. An executor may
+    also have ``describe() -> dict``: how it ran, recorded as the report's ``executor``."""
 
     def run(self, job: Job, *, progress: bool = True) -> list[TensorReport]: ...
 
