@@ -92,6 +92,23 @@ def test_a_worker_killed_mid_merge_is_survived_by_retry(cluster, demo, tmp_path)
     assert_same_outputs(tmp_path / "local", tmp_path / "ray", local, remote)
 
 
+def test_a_worker_lost_at_every_try_ends_the_merge_in_one_line(cluster, demo, tmp_path):
+    from ray_faults import DieOnce
+    from specmerge.pipeline.ray_executor import WorkerLost
+
+    class AlwaysDying(RayExecutor):
+        def worker_spec(self, job):
+            self.name = job.items[3].name
+            return DieOnce(job.remote(), str(tmp_path / "died"), at=3, always=True)
+
+    base, experts = demo
+    executor = AlwaysDying(threads=1, max_retries=1)
+    with pytest.raises(WorkerLost, match=r"Ray lost the worker computing .* 2 times") as caught:
+        api.merge(base, experts, tmp_path / "out", method="swudi_a", progress=False, executor=executor)
+    assert executor.name in str(caught.value) and "\n" not in str(caught.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["died"]
+
+
 def test_a_data_error_ends_the_merge_with_the_one_line_error_and_leaves_nothing(cluster, demo, tmp_path):
     base, experts = demo
     poisoned = tmp_path / "poisoned"

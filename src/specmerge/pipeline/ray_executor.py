@@ -52,6 +52,15 @@ class RayUnavailable(SpecmergeError):
     """Ray is not installed, or the cluster cannot be reached."""
 
 
+class WorkerLost(SpecmergeError):
+    """A task's worker died (or its node was lost) at every try."""
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else "no message"
+
+
 def check_ray() -> None:
     """Raise the one-line :class:`RayUnavailable` when Ray is not installed."""
     if importlib.util.find_spec("ray") is None:
@@ -132,14 +141,14 @@ class RayExecutor:
                 ray.init(address=self.address, **quiet)
         except (ConnectionError, RuntimeError, ValueError) as err:
             where = "a local Ray instance" if self.address is None else f"the Ray cluster at {self.address}"
-            raise RayUnavailable(f"could not start or reach {where}: {str(err).splitlines()[0]}") from None
+            raise RayUnavailable(f"could not start or reach {where}: {_first_line(err)}") from None
 
     def worker_spec(self, job: RemoteJob) -> WorkerSpec:
         """What the workers get (tests wrap it to inject failures)."""
         return job.remote()
 
     def _run(self, ray: Any, job: RemoteJob, progress: bool) -> list[TensorReport]:
-        from ray.exceptions import RayTaskError
+        from ray.exceptions import RayError, RayTaskError
 
         items = job.items
         spec = job.progress if progress else None
@@ -167,12 +176,19 @@ class RayExecutor:
             try:
                 while pending:
                     ready, _ = ray.wait(list(pending), num_returns=1)
-                    pending.pop(ready[0])
+                    group = pending.pop(ready[0])
                     try:
                         results, (host, pid, peak) = ray.get(ready[0])
-                    except RayTaskError as err:
+                    except RayTaskError as err:  # raised by specmerge in the worker: the data, the inputs
                         cause = getattr(err, "cause", None)
                         raise (cause if isinstance(cause, BaseException) else err) from None
+                    except RayError as err:  # the worker or its node lost at every try
+                        names = sorted({items[k].name for k in group})
+                        raise WorkerLost(
+                            f"Ray lost the worker computing {', '.join(names[:3])}{', ...' if len(names) > 3 else ''} "
+                            f"{self.max_retries + 1} times ({type(err).__name__}: {_first_line(err)}); out of memory? "
+                            "give each task more (cpus_per_task) or run with fewer workers per node"
+                        ) from None
                     for k, seconds, diagnostics, returned in results:
                         item = items[k]
                         job.delivered(item, returned)
