@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from specmerge.cli import main
-from tiny_models import build_family
+from tiny_models import build_family, poisoned_copy
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +27,7 @@ def test_missing_parents_are_created_and_said(family, tmp_path, capsys):
 
 def test_a_failed_merge_removes_the_parents_it_created(family, tmp_path, capsys):
     base, experts = family
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for file in experts[0].iterdir():
-        (broken / file.name).write_bytes(file.read_bytes())
-    tensors = load_file(broken / "model.safetensors")
-    name = next(n for n in tensors if n.endswith("q_proj.weight"))
-    tensors[name][0, 0] = torch.nan
-    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    broken, _ = poisoned_copy(experts[0], tmp_path / "broken", lambda n: n.endswith("q_proj.weight"))
     out = tmp_path / "new" / "deeper" / "merged"
     assert main(["merge", str(base), str(broken), str(experts[1]), "-o", str(out), "-q"]) != 0
     assert "NaN" in capsys.readouterr().err

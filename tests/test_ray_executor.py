@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from specmerge.demo import build_experts
 from specmerge.errors import NonFiniteError, RecipeError
@@ -21,7 +20,7 @@ from specmerge.methods import all_methods, get_method
 from specmerge.pipeline import api
 from specmerge.pipeline.recipe import Recipe
 from test_executor_interface import assert_same_outputs
-from tiny_models import save_adapter
+from tiny_models import poisoned_copy, save_adapter
 
 ray = pytest.importorskip("ray")
 from specmerge.pipeline.ray_executor import RayExecutor, task_groups  # noqa: E402
@@ -111,14 +110,8 @@ def test_a_worker_lost_at_every_try_ends_the_merge_in_one_line(cluster, demo, tm
 
 def test_a_data_error_ends_the_merge_with_the_one_line_error_and_leaves_nothing(cluster, demo, tmp_path):
     base, experts = demo
-    poisoned = tmp_path / "poisoned"
-    poisoned.mkdir()
-    for path in experts[1].iterdir():
-        (poisoned / path.name).write_bytes(path.read_bytes())
-    weights = load_file(poisoned / "model.safetensors")
-    name = "model.layers.1.mlp.down_proj.weight"  # late in the plan: other tasks are done or running
-    weights[name].view(-1)[5] = float("nan")
-    save_file(weights, poisoned / "model.safetensors", metadata={"format": "pt"})
+    late = "model.layers.1.mlp.down_proj.weight"  # late in the plan: other tasks are done or running
+    poisoned, name = poisoned_copy(experts[1], tmp_path / "poisoned", late, index=5)
     given = [experts[0], poisoned, *experts[2:]]
     errors = []
     for where, executor in (("local", None), ("ray", RayExecutor(threads=1))):
@@ -183,3 +176,33 @@ def test_an_in_memory_merge_refuses_ray_in_one_line():
         merge_state_dicts(base, experts, address="auto")
     merged = merge_state_dicts(base, experts, method="task_arithmetic", executor="local")
     assert torch.equal(merged["w"], torch.zeros(3, 2))
+
+
+def test_tasks_ask_for_a_gpu_only_when_the_merge_computes_on_cuda_and_the_cluster_has_gpus(demo):
+    from contextlib import ExitStack
+    from types import SimpleNamespace
+
+    from specmerge.pipeline.prepare import prepare_merge
+    from specmerge.pipeline.ray_executor import GPU_SHARE, gpus_per_task
+    from specmerge.pipeline.work import work_items
+
+    base, experts = demo
+    with ExitStack() as stack:
+        prepared = prepare_merge(stack, api.merge_recipe(base, experts, method="swudi"), None)
+    items = work_items(prepared.plan, 4)
+    spectral = next(i for i in items if i.entry.action == "merge")
+    averaged = next(i for i in items if i.entry.action != "merge")
+    executor = RayExecutor(cpus_per_task=2, max_retries=5)
+    assert executor.task_options([spectral], gpus=False) == {"num_cpus": 2, "max_retries": 5}
+    assert executor.task_options([averaged, spectral], gpus=True)["num_gpus"] == 1
+    assert executor.task_options([averaged], gpus=True)["num_gpus"] == GPU_SHARE
+
+    def job_on(device):
+        return SimpleNamespace(options=SimpleNamespace(device=torch.device(device)))
+
+    def cluster_with(gpus):
+        return SimpleNamespace(cluster_resources=lambda: {"CPU": 16.0, **({"GPU": gpus} if gpus else {})})
+
+    assert gpus_per_task(cluster_with(8), job_on("cuda"))
+    assert not gpus_per_task(cluster_with(0), job_on("cuda"))  # no GPU in the cluster: CPU tasks
+    assert not gpus_per_task(cluster_with(8), job_on("cpu"))  # the recipe computes on the CPU

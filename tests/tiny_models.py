@@ -114,3 +114,18 @@ def save_adapter(base_dir, folder, seed, config=None, *, model=None, with_merged
     if with_merged:
         wrapped.merge_and_unload().save_pretrained(folder.parent / f"{folder.name}-merged")
     return folder
+
+
+def poisoned_copy(model: Path, folder: Path, pick, index: int = 0, value: float = float("nan")) -> tuple[Path, str]:
+    """A copy of the single-file model folder ``model`` in ``folder`` whose tensor chosen by ``pick`` (a name, or a
+    predicate on names) holds ``value`` at flat ``index``; the copy and the tensor's name."""
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir()
+    for file in model.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(folder / "model.safetensors")
+    name = pick if isinstance(pick, str) else next(n for n in tensors if pick(n))
+    tensors[name].view(-1)[index] = value
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder, name

@@ -143,6 +143,14 @@ class RayExecutor:
             where = "a local Ray instance" if self.address is None else f"the Ray cluster at {self.address}"
             raise RayUnavailable(f"could not start or reach {where}: {_first_line(err)}") from None
 
+    def task_options(self, group: Sequence[WorkItem], gpus: bool) -> dict[str, Any]:
+        """The resources one task asks Ray for: its CPUs (torch threads) and, when ``gpus`` (the merge computes on
+        CUDA and the cluster has GPUs), a whole GPU for a spectral tensor or :data:`GPU_SHARE` of one otherwise."""
+        options: dict[str, Any] = {"num_cpus": self.cpus_per_task, "max_retries": self.max_retries}
+        if gpus:
+            options["num_gpus"] = 1 if any(_spectral(item) for item in group) else GPU_SHARE
+        return options
+
     def worker_spec(self, job: RemoteJob) -> WorkerSpec:
         """What the workers get (tests wrap it to inject failures)."""
         return job.remote()
@@ -154,14 +162,12 @@ class RayExecutor:
         spec = job.progress if progress else None
         weights = spec.weights if spec is not None else _fallback_weights(items)
         groups = task_groups(items, weights)
-        gpus = _gpus_per_task(ray, job)
+        gpus = gpus_per_task(ray, job)
         spec_ref = ray.put(self.worker_spec(job))
         task = ray.remote(run_task)
         pending: dict[Any, list[int]] = {}
         for group in groups:
-            options: dict[str, Any] = {"num_cpus": self.cpus_per_task, "max_retries": self.max_retries}
-            if gpus:
-                options["num_gpus"] = 1 if any(_spectral(items[k]) for k in group) else GPU_SHARE
+            options = self.task_options([items[k] for k in group], gpus)
             pending[task.options(**options).remote(spec_ref, group, self.threads)] = group
         reports = ReportAccumulator(items)
         tensors = len({item.name for item in items})
@@ -219,7 +225,7 @@ def _fallback_weights(items: Sequence[WorkItem]) -> tuple[float, ...]:
     return tuple(weights)
 
 
-def _gpus_per_task(ray: Any, job: Job) -> bool:
+def gpus_per_task(ray: Any, job: Job) -> bool:
     """Whether tasks ask for GPUs: the merge computes on CUDA and the cluster has GPUs."""
     options = getattr(job, "options", None)
     device = getattr(options, "device", None)
