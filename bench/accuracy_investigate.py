@@ -20,6 +20,7 @@ import statistics
 from pathlib import Path
 
 from specmerge_bench.accuracy import model as accuracy_model
+from specmerge_bench.accuracy import precision
 from specmerge_bench.accuracy.bench import SCALES, load_experts, load_scoring
 from specmerge_bench.accuracy.data import AccuracyDataError
 from specmerge_bench.accuracy.experts import build_experts
@@ -46,7 +47,10 @@ def main() -> None:
     parser = Parser(prog="accuracy_investigate.py", description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path, required=True, help="the cache folder of specmerge-bench accuracy")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds (default 0 1 2)")
+    parser.add_argument("--precision", choices=precision.PRECISIONS, default="auto",
+                        help="as the benchmark's: bfloat16 autocast or float32 (auto: bf16 if native)")  # fmt: skip
     args = parser.parse_args()
+    precision.choose(args.precision)  # the precision the cache's experts and probes were built with
     for seed in args.seeds:
         if not any((args.cache / "experts").glob(f"*/seed{seed}/*/model.safetensors")):
             parser.error(f"--cache {args.cache} holds no experts of seed {seed} (experts/<key>/seed{seed}/<task>/); "

@@ -4,7 +4,9 @@ import json
 import math
 import random
 
-from specmerge_bench.accuracy import bench, rows
+import torch
+
+from specmerge_bench.accuracy import bench, precision, rows
 from specmerge_bench.accuracy import model as accuracy_model
 from test_accuracy_model import tiny_model_dir, world  # noqa: F401  (fixtures)
 
@@ -19,6 +21,8 @@ def test_benchmark_end_to_end_and_rescoring_from_the_cache(world, tiny_model_dir
            "adamerging": rows.AdaMergingSettings(steps=2)}  # fmt: skip
     summary, folder = bench.run_benchmark(world["cache"], (0, 1), log=lambda line: None, **run)
     assert {p.name for p in folder.iterdir()} >= {"results.json", "results.md", "accuracy.png", "wudi_steps.png"}
+    assert f"-{precision.resolve('auto')}-{torch.backends.cpu.get_cpu_capability()}-" in folder.name
+    assert json.loads((folder / "timings.json").read_text())[-1]["precision"].startswith(precision.resolve("auto"))
     assert summary["seeds"] == 2 and set(summary["tasks"]) == {"colour", "shape"}
     table = (folder / "results.md").read_text()
     for row in bench.method_rows():

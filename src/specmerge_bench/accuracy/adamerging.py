@@ -81,7 +81,7 @@ class AdaMergingStage:
         inputs: Inputs,
         settings: AdaMergingSettings = ADAMERGING,
         *,
-        autocast: bool = True,
+        autocast: bool | None = None,
     ) -> None:
         self.model, self.heads, self.settings, self.autocast = model, dict(heads), settings, autocast
         self.batches = task_batches(inputs, settings.batch_size, settings.seed)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from specmerge.tuning.search import Strategy, search
 from specmerge.tuning.space import Setting
 from specmerge_bench.accuracy.merging import Candidate, MergedDeltas, StateDict, merge_candidates
+from specmerge_bench.accuracy.precision import PRECISIONS
 from specmerge_bench.accuracy.report import exact_mean, markdown, plots, summarize
 from specmerge_bench.accuracy.rows import (
     ADAMERGING,
@@ -244,6 +245,7 @@ def run_benchmark(
     adamerging: AdaMergingSettings | None = ADAMERGING,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    precision: str = "auto",
 ) -> tuple[dict[str, Any], Path]:
     """The whole benchmark: data -> probes -> experts -> merges -> scores -> tables and plots, every stage cached.
 
@@ -252,12 +254,34 @@ def run_benchmark(
     ``cache_dir/results/<experts key>-<code key>-seeds-...``.
     ``model_dir`` / ``manifest`` replace the pinned MiniLM and the Debian-derived tasks (the tests use a tiny
     BERT and a synthetic task set). ``adamerging`` sets the AdaMerging rows (None leaves them out); they are
-    given the test inputs only, without labels.
+    given the test inputs only, without labels. ``precision``: ``auto`` (bfloat16 autocast where the CPU runs bf16
+    natively, float32 elsewhere), ``bfloat16`` or ``float32`` (:mod:`specmerge_bench.accuracy.precision`); every
+    stage's cache key and the results folder name hold it with the CPU's capability.
     """
+    from specmerge_bench.accuracy import precision as accuracy_precision
+
+    with accuracy_precision.using(precision) as name:
+        log(f"precision: {name} ({accuracy_precision.tag()}; asked {precision})")
+        return _run_benchmark(cache_dir, seeds, model_dir=model_dir, manifest=manifest, steps=steps,
+                              adamerging=adamerging, progress=progress, log=log)  # fmt: skip
+
+
+def _run_benchmark(
+    cache_dir: str | Path,
+    seeds: Sequence[int],
+    *,
+    model_dir: str | Path | None,
+    manifest: Mapping[str, Any] | None,
+    steps: int,
+    adamerging: AdaMergingSettings | None,
+    progress: bool,
+    log: Callable[[str], None],
+) -> tuple[dict[str, Any], Path]:
     import time
 
     from specmerge_bench.accuracy import experts as accuracy_experts
     from specmerge_bench.accuracy import model as accuracy_model
+    from specmerge_bench.accuracy import precision as accuracy_precision
     from specmerge_bench.accuracy.adamerging import AdaMergingStage
 
     cache_dir = Path(cache_dir).resolve()
@@ -278,12 +302,14 @@ def run_benchmark(
     for seed in seeds:
         start = time.perf_counter()
         experts = load_experts(built, seed, base)
-        cache = ScoreCache(cache_dir / "scores" / experts_key / f"seed{seed}-{code_key()}.json")
+        named = f"seed{seed}-{code_key()}-{accuracy_precision.tag()}.json"
+        cache = ScoreCache(cache_dir / "scores" / experts_key / named)
         per_seed.append(evaluate_seed(base, experts, score, cache, adamerging=stage, progress=progress))
         seconds[f"merge and score, seed {seed}"] = time.perf_counter() - start
         log(f"seed {seed}: merged and scored in {seconds[f'merge and score, seed {seed}']:.0f} s")
     summary = summarize(per_seed)
-    folder = cache_dir / "results" / f"{experts_key}-{code_key()}-seeds-{'-'.join(map(str, seeds))}"
+    seeds_named = "-".join(map(str, seeds))
+    folder = cache_dir / "results" / f"{experts_key}-{code_key()}-{accuracy_precision.tag()}-seeds-{seeds_named}"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "results.json").write_text(json.dumps({"summary": summary, "per_seed": per_seed}, indent=1))
     (folder / "results.md").write_text(markdown(summary))
@@ -291,7 +317,7 @@ def run_benchmark(
     history = folder / "timings.json"  # one entry per run: a cached rerun does not hide the full run's times
     runs = json.loads(history.read_text()) if history.is_file() else []
     runs = runs if isinstance(runs, list) else [runs]
-    runs.append({"seconds": seconds, "build": built["seconds"]})
+    runs.append({"seconds": seconds, "build": built["seconds"], "precision": accuracy_precision.tag()})
     history.write_text(json.dumps(runs, indent=1))
     plots(summary, folder)
     return summary, folder
@@ -304,6 +330,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "results/ (reuse it: every stage is cached by its inputs)")  # fmt: skip
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds (default 0 1 2)")
     parser.add_argument("--steps", type=int, default=800, help="fine-tuning steps per expert (default 800)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="auto",
+                        help="forward passes under bfloat16 autocast or in float32; auto (default): bfloat16 where "
+                             "the CPU runs it natively (oneDNN's check), float32 elsewhere")  # fmt: skip
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(run=lambda args: run(args, parser))
 
@@ -316,7 +345,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--seeds must be distinct non-negative integers, got {' '.join(map(str, args.seeds))}")
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
-    summary, folder = run_benchmark(args.cache, args.seeds, steps=args.steps, progress=not args.quiet)
+    summary, folder = run_benchmark(
+        args.cache, args.seeds, steps=args.steps, progress=not args.quiet, precision=args.precision
+    )
     print(markdown(summary))
     print(f"results, plots and timings: {folder}")
     return 0

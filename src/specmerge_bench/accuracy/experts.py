@@ -34,6 +34,7 @@ import torch
 import transformers
 from torch import Tensor
 
+from specmerge_bench.accuracy import precision
 from specmerge_bench.accuracy.base_model import load_base_model_path
 from specmerge_bench.accuracy.data import SPLITS, AccuracyDataError, build_tasks, read_split, sha256_file
 from specmerge_bench.accuracy.model import (
@@ -176,6 +177,7 @@ def _probes_stage(
         "tokens": tokens_dir.name,
         "model": model_files,
         "l2_grid": list(L2_GRID),
+        "precision": precision.tag(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "code": _code(*PROBES_CODE),
@@ -283,10 +285,11 @@ def build_experts(
         "batch_size": batch_size,
         "warmup": warmup,
         "weight_decay": weight_decay,
-        "autocast": True,
+        "autocast": precision.autocast(),
     }
     inputs = {
         "probes": probes_dir.name,
+        "precision": precision.tag(),
         "hyper": hyper,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -340,11 +343,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds (default 0)")
     parser.add_argument("--steps", type=int, default=800, help="optimizer steps per expert (default 800)")
     parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
+    parser.add_argument("--precision", choices=precision.PRECISIONS, default="auto",
+                        help="bfloat16 autocast or float32 (auto: bfloat16 where the CPU has it natively)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
-        summary = build_experts(
-            args.cache, args.seeds, steps=args.steps, lr=args.lr, log=lambda line: print(line, file=sys.stderr)
-        )
+        with precision.using(args.precision):
+            summary = build_experts(
+                args.cache, args.seeds, steps=args.steps, lr=args.lr, log=lambda line: print(line, file=sys.stderr)
+            )
     except (AccuracyDataError, OSError, ValueError) as err:
         print(f"specmerge_bench.accuracy.experts: error: {err}", file=sys.stderr)
         return 2

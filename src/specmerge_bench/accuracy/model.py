@@ -6,9 +6,10 @@ Protocol (one base encoder, the pinned all-MiniLM-L6-v2 ``BertModel`` without it
   (no ``token_type_ids``: ``BertModel`` uses zeros). A forward pass sorts the texts by length and cuts each
   batch to its longest row; padding never reaches the pooled features.
 - **Features.** Mean of the last hidden states over the attention mask, in float32. Forward passes run under
-  bfloat16 autocast by default (``autocast=True``): on CPUs with bf16 support that is about 4× faster than
-  float32, and the benchmark fits, trains and scores with the same setting, so the heads see the model they
-  are used with.
+  bfloat16 autocast where the CPU runs bf16 natively, float32 elsewhere (:mod:`.precision`; ``autocast=None``
+  follows the run's precision, a bool overrides it): with native bf16 that is about 4× faster than float32,
+  and the benchmark fits, trains and scores with the same setting, so the heads see the model they are used
+  with.
 - **Heads.** Per task a multinomial logistic regression on the base model's features (``fit_probe``), fitted
   on train, L2 strength chosen on val; standardisation is folded into the weights, so a ``Head`` maps raw
   pooled features to logits. Heads stay frozen afterwards.
@@ -38,6 +39,7 @@ import torch
 import transformers
 from torch import Tensor
 
+from specmerge_bench.accuracy import precision
 from specmerge_bench.accuracy.base_model import load_base_model_path
 
 MAX_LENGTH = 32
@@ -150,7 +152,7 @@ def _forward_pooled(model: transformers.BertModel, input_ids: Tensor, attention_
 
 
 def pooled_features(
-    model: transformers.BertModel, encoded: Mapping[str, Tensor], batch_size: int = 256, autocast: bool = True
+    model: transformers.BertModel, encoded: Mapping[str, Tensor], batch_size: int = 256, autocast: bool | None = None
 ) -> Tensor:
     """Mean-pooled last hidden states (float32, n × hidden) of ``encoded`` inputs, in eval mode, without grad.
 
@@ -162,7 +164,7 @@ def pooled_features(
     out = torch.empty(len(input_ids), model.config.hidden_size)
     was_training = model.training
     model.eval()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision.autocast(autocast)):
         for start in range(0, len(order), batch_size):
             rows = order[start : start + batch_size]
             out[rows] = _forward_pooled(model, input_ids[rows], attention_mask[rows])
@@ -252,7 +254,7 @@ def evaluate(
     *,
     scratch: transformers.BertModel | None = None,
     batch_size: int = 256,
-    autocast: bool = True,
+    autocast: bool | None = None,
 ) -> dict[str, float]:
     """Accuracy per task of ``tasks_encoded`` on ``split``, each scored with ``heads[task]``.
 
@@ -286,13 +288,13 @@ def multitask_logits(
     model: transformers.BertModel,
     batch: Mapping[str, Mapping[str, Tensor]],
     heads: Mapping[str, Head],
-    autocast: bool = True,
+    autocast: bool | None = None,
 ) -> Tensor:
     """Each task's head logits on that task's inputs in ``batch`` (task -> inputs), with gradient, stacked in task
     order: (rows, most classes), a task with fewer classes padded with -inf (classes of probability 0)."""
     parts = []
     for task, inputs in batch.items():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision.autocast(autocast)):
             features = _forward_pooled(model, inputs["input_ids"], inputs["attention_mask"])
         parts.append(heads[task].logits(features))
     width = max(part.shape[1] for part in parts)
@@ -329,7 +331,7 @@ def train_expert(
     batch_size: int = 32,
     warmup: float = 0.1,
     weight_decay: float = 0.0,
-    autocast: bool = True,
+    autocast: bool | None = None,
 ) -> dict[str, Tensor]:
     """Fine-tune a copy of ``base_model`` on ``train`` through the frozen ``head``; return its full state dict.
 
@@ -356,7 +358,7 @@ def train_expert(
             if len(order) < batch_size:
                 order = torch.cat([order, torch.randperm(len(train), generator=generator)])
             rows, order = order[:batch_size], order[batch_size:]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision.autocast(autocast)):
                 features = _forward_pooled(model, train.input_ids[rows], train.attention_mask[rows])
             loss = torch.nn.functional.cross_entropy(head.logits(features), train.labels[rows])
             optimizer.zero_grad(set_to_none=True)
