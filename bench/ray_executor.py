@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import resource
 import shutil
@@ -26,6 +27,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from specmerge_bench.inputs import Parser, model_family
 
 RUNS = ("local", "ray1", "ray2")
 
@@ -121,7 +124,7 @@ class _Done(Exception):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(prog="ray_executor.py", description=__doc__.splitlines()[0])
     parser.add_argument("--models", type=Path, required=True, help="a folder with base/ and expert*/")
     parser.add_argument("--work", type=Path, required=True, help="scratch folder for the outputs")
     parser.add_argument("--method", default="swudi")
@@ -130,6 +133,9 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=200, help="empty tasks timed for the per-task cost")
     parser.add_argument("--run", choices=RUNS, help=argparse.SUPPRESS)  # one configuration, in this process
     args = parser.parse_args()
+    model_family(parser, args.models, "expert", generate="python bench/memory.py generate --models DIR")
+    if importlib.util.find_spec("ray") is None:
+        parser.error("this benchmark needs Ray: pip install 'specmerge[ray]'")
     args.work.mkdir(parents=True, exist_ok=True)
     if args.run:
         print(json.dumps(one(args)))

@@ -51,6 +51,7 @@ def cases(tmp: Path, family: Path) -> list[tuple[list[str], str]]:
         (["under_load.py", "--models", str(tmp / "new"), "--methods", "nope"], "--methods: unknown nope"),
         (["accuracy_investigate.py", "--cache", str(tmp / "empty")], "holds no experts of seed 0"),
         (["lora_speed.py", "--methods", "ties"], "invalid choice: 'ties'"),
+        (["ray_executor.py", "--models", str(tmp / "empty"), "--work", str(tmp / "w")], "is not a folder"),
     ]
 
 
