@@ -166,9 +166,13 @@ class RayExecutor:
         spec_ref = ray.put(self.worker_spec(job))
         task = ray.remote(run_task)
         pending: dict[Any, list[int]] = {}
-        for group in groups:
-            options = self.task_options([items[k] for k in group], gpus)
-            pending[task.options(**options).remote(spec_ref, group, self.threads)] = group
+        try:
+            for group in groups:
+                options = self.task_options([items[k] for k in group], gpus)
+                pending[task.options(**options).remote(spec_ref, group, self.threads)] = group
+        except BaseException:
+            _cancel(ray, pending)
+            raise
         reports = ReportAccumulator(items)
         tensors = len({item.name for item in items})
         done, peaks, started = 0, {}, time.perf_counter()
@@ -185,9 +189,12 @@ class RayExecutor:
                     group = pending.pop(ready[0])
                     try:
                         results, (host, pid, peak) = ray.get(ready[0])
-                    except RayTaskError as err:  # raised by specmerge in the worker: the data, the inputs
+                    except RayTaskError as err:  # raised in the worker: the data, the inputs, or a bug
                         cause = getattr(err, "cause", None)
-                        raise (cause if isinstance(cause, BaseException) else err) from None
+                        if not isinstance(cause, BaseException):
+                            raise
+                        # the worker's own exception; a bug keeps Ray's error (with the remote traceback) as cause
+                        raise cause from (None if isinstance(cause, SpecmergeError) else err)
                     except RayError as err:  # the worker or its node lost at every try
                         names = sorted({items[k].name for k in group})
                         raise WorkerLost(
