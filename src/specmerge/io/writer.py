@@ -152,7 +152,7 @@ class ShardWriter:
                 raise ValueError(f"tensor '{name}' is not in the write plan ({len(self._slots)} planned tensors)")
             if name in self._written:
                 raise ValueError(f"tensor '{name}' was already written")
-            offset = _offset(slot, shape, dtype, row_start)
+            offset = _offset(slot.info, slot.offset, shape, dtype, row_start)
             complete = True
             if row_start is not None:
                 self._partial[name] = self._partial.get(name, 0) + math.prod(shape) * dtype.itemsize
@@ -302,8 +302,8 @@ class Placement:
 def write_at(placement: Placement, name: str, tensor: torch.Tensor, *, row_start: int | None = None) -> None:
     """Write ``tensor`` (or a block of rows from ``row_start``) at its placement, from any process: the file is
     opened for writing only (never created or truncated), written with positional writes, and closed."""
-    slot = _Slot(TensorInfo(name, placement.shape, placement.dtype), 0, placement.offset)
-    offset = _offset(slot, tuple(tensor.shape), tensor.dtype, row_start)
+    info = TensorInfo(name, placement.shape, placement.dtype)
+    offset = _offset(info, placement.offset, tuple(tensor.shape), tensor.dtype, row_start)
     if not tensor.numel():
         return
     fd = os.open(placement.path, os.O_WRONLY | getattr(os, "O_BINARY", 0))
@@ -313,17 +313,17 @@ def write_at(placement: Placement, name: str, tensor: torch.Tensor, *, row_start
         os.close(fd)
 
 
-def _offset(slot: _Slot, shape: tuple[int, ...], dtype: torch.dtype, row_start: int | None) -> int:
-    """The byte offset of a tensor (or a block of rows from ``row_start``) of this shape and dtype in its slot's
-    file; a shape or dtype that does not fit the plan is refused, naming the tensor."""
-    expected, name = slot.info, slot.info.name
+def _offset(expected: TensorInfo, start: int, shape: tuple[int, ...], dtype: torch.dtype, row_start: int | None) -> int:
+    """The byte offset in its file of a tensor (or a block of rows from ``row_start``) of this shape and dtype, the
+    planned tensor ``expected`` starting at ``start``; a shape or dtype that does not fit it is refused, naming it."""
+    name = expected.name
     if row_start is None:
         if shape != expected.shape or dtype != expected.dtype:
             raise ValueError(
                 f"tensor '{name}': expected shape {list(expected.shape)} {expected.dtype}, "
                 f"got shape {list(shape)} {dtype}"
             )
-        return slot.offset
+        return start
     rows = shape[0] if shape else -1
     if (
         dtype != expected.dtype
@@ -334,7 +334,7 @@ def _offset(slot: _Slot, shape: tuple[int, ...], dtype: torch.dtype, row_start: 
             f"tensor '{name}': rows from {row_start} of shape {list(shape)} {dtype} do not "
             f"fit the planned shape {list(expected.shape)} {expected.dtype}"
         )
-    return slot.offset + row_start * (expected.nbytes // expected.shape[0])
+    return start + row_start * (expected.nbytes // expected.shape[0])
 
 
 def _fsync_and_close(fd: int) -> None:

@@ -32,7 +32,7 @@ from specmerge.pipeline.compute import merge_adapter_tensor, merge_from_layer, m
 from specmerge.pipeline.cost import ItemCost, estimate_items
 from specmerge.pipeline.finite import NonFiniteInput, locate_nonfinite
 from specmerge.pipeline.plan import TensorPlan
-from specmerge.pipeline.prepare import PreparedMerge, prepare_merge
+from specmerge.pipeline.prepare import prepare_merge
 from specmerge.pipeline.recipe import Recipe
 from specmerge.pipeline.work import Inputs, Outcome, Progress, WorkItem, read_inputs, work_items
 
@@ -168,11 +168,6 @@ def _worker_options(options: ComputeOptions) -> ComputeOptions:
     return options
 
 
-def _prepared(stack: ExitStack, recipe: Recipe) -> PreparedMerge:
-    """The merge prepared again in a worker: the inputs opened by path, the same plan as the driver's."""
-    return prepare_merge(stack, recipe, None)
-
-
 def _check_items(job: ModelJob | AdapterJob, digest: str) -> None:
     if items_digest(job.items) != digest:
         raise SpecmergeError(
@@ -194,7 +189,7 @@ class RemoteModelJob:
     placements: Mapping[str, Placement]
 
     def open(self, stack: ExitStack) -> ModelJob:
-        prepared = _prepared(stack, self.recipe)
+        prepared = prepare_merge(stack, self.recipe, None)  # the same plan, by path
 
         def write(name: str, tensor: torch.Tensor, *, row_start: int | None = None) -> None:
             write_at(self.placements[name], name, tensor, row_start=row_start)
@@ -220,7 +215,7 @@ class RemoteAdapterJob:
     out_dtype: torch.dtype | None
 
     def open(self, stack: ExitStack) -> AdapterJob:
-        prepared = _prepared(stack, self.recipe)
+        prepared = prepare_merge(stack, self.recipe, None)  # the same plan, by path
         job = AdapterJob(
             prepared.plan, prepared.experts, _worker_options(self.options), max_rank=self.max_rank,
             out_dtype=self.out_dtype, ship=True,

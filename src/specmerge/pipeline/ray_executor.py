@@ -1,15 +1,15 @@
 """A Ray executor: a merge's work items as Ray tasks, across the CPUs and GPUs of one machine or a cluster.
 
-Every tensor is an independent job (:mod:`specmerge.pipeline.work`), so a merge spreads over workers as it is.
-The driver (the process that called :func:`~specmerge.pipeline.api.run_recipe`) plans the merge, creates the
-output's shard files with every tensor's place fixed (:meth:`~specmerge.io.writer.ShardWriter.placements`),
-groups the work items (:func:`task_groups`: a spectral tensor alone, small items together up to
-:data:`GROUP_SECONDS` of estimated work) and submits one Ray task per group. A worker opens the inputs itself, by
-path (on a cluster: shared storage at the same paths), prepares the same plan (checked against the driver's),
-computes its items and writes each output at its place in the shards; only each item's report (and, for a LoRA
-adapter, its small factors) travels back. The driver counts the items in, shows the progress bar, and then
-writes the shards' headers, the index, the report and the card, and renames the folder into place, as the
-in-process executor's merge does. The files are the same bits (tested for every method).
+Every tensor is an independent job (:mod:`specmerge.pipeline.work`), so a merge spreads over workers as it is. The
+driver (the process that called :func:`~specmerge.pipeline.api.run_recipe`) plans the merge, creates the output's
+shard files with every tensor's place fixed (:meth:`~specmerge.io.writer.ShardWriter.placements`), groups the work
+items (:func:`task_groups`: a spectral tensor alone, small items together up to :data:`GROUP_SECONDS` of work as the
+cost model estimates it from their bytes and FLOPs) and submits one Ray task per group. A worker opens the inputs
+itself, by path (on a cluster: shared storage at the same paths), prepares the same plan (checked against the
+driver's), computes its items and writes each output at its place in the shards; only each item's report (and, for a
+LoRA adapter, its small factors) travels back. The driver counts the items in, shows the progress bar, and then
+writes the shards' headers, the index, the report and the card, and renames the folder into place, as the in-process
+executor's merge does. The files are the same bits (tested for every method).
 
 Failures: a worker that dies or is lost (killed, out of memory, a node gone) has its task run again by Ray
 (``max_retries``); writing an item twice writes the same bytes at the same place. An error in the data (a NaN,
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
 import os
 import resource
 import sys
@@ -43,7 +42,7 @@ from specmerge.pipeline.executor import BAR_FORMAT
 from specmerge.pipeline.threads import merge_threads
 from specmerge.pipeline.work import Job, RemoteJob, ReportAccumulator, TensorReport, WorkerSpec, WorkItem
 
-GROUP_SECONDS = 0.5  # small items are sent together up to this much estimated work (Ray's cost is ~1 ms a task)
+GROUP_SECONDS = 0.5  # small items go together up to this much estimated work (Ray: ~5 ms a task, BENCHMARKS.md)
 MAX_RETRIES = 3  # runs of a task whose worker died, after the first (Ray's own retry)
 GPU_SHARE = 0.25  # of a GPU, for a task without a spectral tensor when the merge computes on CUDA
 
@@ -159,8 +158,8 @@ class RayExecutor:
         from ray.exceptions import RayError, RayTaskError
 
         items = job.items
-        spec = job.progress if progress else None
-        weights = spec.weights if spec is not None else _fallback_weights(items)
+        spec = job.progress if progress else None  # the bar's weights, else the estimate without probing the disk
+        weights = spec.weights if spec is not None else tuple(cost.seconds for cost in job.costs(probe=False))
         groups = task_groups(items, weights)
         gpus = gpus_per_task(ray, job)
         spec_ref = ray.put(self.worker_spec(job))
@@ -220,16 +219,6 @@ class RayExecutor:
             "worker_peak_rss_bytes": peaks,
         }
         return reports.reports()
-
-
-def _fallback_weights(items: Sequence[WorkItem]) -> tuple[float, ...]:
-    """Without the cost model (no progress bar): each item weighted by its float32 size, a second per 64 MiB."""
-    weights = []
-    for item in items:
-        shape = item.entry.shape
-        rows = shape[0] if shape and item.rows is None else (item.rows[1] - item.rows[0] if item.rows else 1)
-        weights.append(rows * math.prod(shape[1:]) * 4 / 2**26)
-    return tuple(weights)
 
 
 def gpus_per_task(ray: Any, job: Job) -> bool:

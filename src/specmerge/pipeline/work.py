@@ -143,9 +143,12 @@ class WorkerSpec(Protocol):
 class RemoteJob(Job, Protocol):
     """A job whose items other processes may run (:class:`specmerge.pipeline.ray_executor.RayExecutor`):
     ``remote()`` gives the :class:`WorkerSpec`, and the driver calls ``delivered(item, returned)`` for every item
-    a worker finished, with what that worker's ``deliver`` returned."""
+    a worker finished, with what that worker's ``deliver`` returned; ``costs(probe=False)`` estimates each item
+    (:mod:`specmerge.pipeline.cost`), to group them into tasks."""
 
     def remote(self) -> WorkerSpec: ...
+
+    def costs(self, *, probe: bool = True) -> list[Any]: ...
 
     def delivered(self, item: WorkItem, returned: Any) -> None: ...
 
