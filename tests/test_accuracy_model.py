@@ -1,5 +1,6 @@
 """Model stage of the accuracy benchmark on a tiny random BERT and two keyword tasks (seconds, no downloads)."""
 
+import copy
 import random
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import transformers
 import specmerge_bench.accuracy.data as data
 import specmerge_bench.accuracy.experts as stages
 import specmerge_bench.accuracy.model as am
+import specmerge_bench.accuracy.training as training
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 FILLER = ["the", "a", "of", "and", "to", "in", "is", "it", "on", "with", "for", "as", "by", "at"]
@@ -97,10 +99,45 @@ def test_encode_pads_to_max_length_and_pooling_ignores_padding(world):
     model, splits = world["model"], world["encoded"]["colour"]
     inputs = splits["val"].inputs
     assert inputs["input_ids"].shape == (60, am.MAX_LENGTH) and inputs["input_ids"].dtype == torch.long
-    pooled = am.pooled_features(model, inputs, batch_size=7, autocast=False)
+    double = copy.deepcopy(model).double()  # float64: the two computations agree to rounding of a few hundred ops
+    pooled = am.pooled_features(double, inputs, batch_size=7, autocast=False)
     one = {key: value[:1, : int(inputs["attention_mask"][0].sum())] for key, value in inputs.items()}
-    alone = model(**one).last_hidden_state.mean(1)
-    torch.testing.assert_close(pooled[:1], alone.detach(), atol=1e-5, rtol=1e-5)
+    alone = double(**one).last_hidden_state.mean(1)
+    torch.testing.assert_close(pooled[:1], alone.detach(), atol=0, rtol=F64_TOL)
+
+
+# Relative tolerance for float64 comparisons of two orderings of the same few-layer computation: 1,000 x eps
+# covers the rounding of sums over at most a few hundred terms, and is far below any real difference.
+F64_TOL = 1000 * torch.finfo(torch.float64).eps
+
+
+def test_packed_forward_equals_the_padded_bert_forward_with_gradients(world):
+    """The encoder on real tokens only (``pooled_features``, ``multitask_logits``) is the same function as
+    Hugging Face's padded forward followed by mean pooling: values and parameter gradients, in float64."""
+    double = copy.deepcopy(world["model"]).double()
+    inputs = world["encoded"]["colour"]["train"].inputs
+    batch = {key: value[:24] for key, value in inputs.items()}  # rows of different lengths
+    assert len(set(batch["attention_mask"].sum(1).tolist())) > 1
+    hidden = double(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).double()
+    reference = (hidden * mask).sum(1) / mask.sum(1)
+    head = world["heads"]["colour"]
+    head64 = am.Head(head.weight.double(), head.bias.double(), head.l2)
+    reference_logits = head64.logits(reference)
+    reference_grads = torch.autograd.grad(reference_logits.square().sum(), list(double.parameters()), allow_unused=True)
+    logits = am.multitask_logits(double, {"colour": batch}, {"colour": head64}, autocast=False)
+    grads = torch.autograd.grad(logits.square().sum(), list(double.parameters()), allow_unused=True)
+    torch.testing.assert_close(logits, reference_logits, atol=0, rtol=F64_TOL)
+    # relative to the largest gradient entry: some are exactly zero in exact arithmetic (the key biases, which
+    # softmax cancels) and only rounding in either computation
+    scale = max(float(want.abs().max()) for want in reference_grads if want is not None)
+    for (name, _), got, want in zip(double.named_parameters(), grads, reference_grads, strict=True):
+        if want is None:
+            assert got is None or not got.any(), name
+            continue
+        assert float((got - want).abs().max()) <= F64_TOL * scale, name
+    pooled = am.pooled_features(double, batch, batch_size=5, autocast=False)
+    torch.testing.assert_close(pooled, reference.detach(), atol=0, rtol=F64_TOL)
 
 
 def test_probe_learns_the_keyword_tasks(world):
@@ -123,10 +160,10 @@ def test_fit_logistic_folds_standardisation_into_the_head():
 def test_training_changes_only_encoder_linear_layers_and_is_deterministic(world):
     model, splits, head = world["model"], world["encoded"]["shape"], world["heads"]["shape"]
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    first = am.train_expert(model, splits["train"], head, seed=1, steps=4, lr=1e-3, batch_size=8)
-    again = am.train_expert(model, splits["train"], head, seed=1, steps=4, lr=1e-3, batch_size=8)
-    other = am.train_expert(model, splits["train"], head, seed=2, steps=4, lr=1e-3, batch_size=8)
-    linear = set(am.encoder_linear_parameters(model))
+    first = training.train_expert(model, splits["train"], head, seed=1, steps=4, lr=1e-3, batch_size=8)
+    again = training.train_expert(model, splits["train"], head, seed=1, steps=4, lr=1e-3, batch_size=8)
+    other = training.train_expert(model, splits["train"], head, seed=2, steps=4, lr=1e-3, batch_size=8)
+    linear = set(training.encoder_linear_parameters(model))
     assert len(linear) == 2 * 6 * 2  # 2 layers x 6 linear modules x (weight, bias)
     assert first.keys() == before.keys()
     for name, tensor in first.items():
@@ -147,13 +184,13 @@ def test_training_lowers_the_frozen_head_loss(world):
         features = am.pooled_features(probe, train.inputs, autocast=False)
         return float(torch.nn.functional.cross_entropy(head.logits(features), train.labels))
 
-    trained = am.train_expert(model, train, head, seed=0, steps=30, lr=1e-3, batch_size=16)
+    trained = training.train_expert(model, train, head, seed=0, steps=30, lr=1e-3, batch_size=16)
     assert loss(trained) < 0.5 * loss(model.state_dict())
 
 
 def test_evaluate_a_state_dict_equals_evaluating_the_model(world):
     model, encoded, heads = world["model"], world["encoded"], world["heads"]
-    state = am.train_expert(model, encoded["colour"]["train"], heads["colour"], seed=0, steps=3, lr=1e-3)
+    state = training.train_expert(model, encoded["colour"]["train"], heads["colour"], seed=0, steps=3, lr=1e-3)
     expert = transformers.BertModel(model.config, add_pooling_layer=False)
     am.load_state(expert, state)
     scratch = transformers.BertModel(model.config, add_pooling_layer=False)

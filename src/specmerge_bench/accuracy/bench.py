@@ -97,9 +97,13 @@ def evaluate_seed(
     *,
     adamerging: AdaMergingStage | None = None,
     progress: bool = True,
+    expert_scores: Mapping[str, Mapping[str, Mapping[str, float]]] | None = None,
 ) -> dict[str, Any]:
     """Every row for one set of experts (task -> expert state dict): chosen setting, val mean, test accuracies;
     with ``adamerging``, the AdaMerging rows, each next to its anchor row.
+
+    ``expert_scores`` (task -> split -> task -> accuracy, as ``build_experts`` scored each expert with the same
+    scorer) gives each expert's own accuracy without scoring it again; without it the experts are scored here.
 
     Only the candidates with a score missing from ``cache`` are merged, so a rerun over cached scores does
     no merging at all. Merge times are cached with the scores (key ``<candidate>|merge``).
@@ -123,11 +127,11 @@ def evaluate_seed(
         "merge_seconds": {k[: -len("|merge")]: v["seconds"] for k, v in cache.scores.items() if k.endswith("|merge")},
     }
     for task, state in experts.items():
-        own = {
+        own = expert_scores[task] if expert_scores is not None else {
             split: cache.get(f"expert-{task}|{split}", lambda s=split, st=state: score(st, s))
             for split in ("val", "test")
-        }
-        result["experts"][task] = {"val": own["val"][task], "test": own["test"][task], "all_test": own["test"]}
+        }  # fmt: skip
+        result["experts"][task] = {"val": own["val"][task], "test": own["test"][task]}
     for row in rows:
         result["rows"][row.label] = choose(row, base, deltas, score, cache)
         for ada in ADAMERGING_ROWS if adamerging is not None else ():
@@ -304,7 +308,8 @@ def _run_benchmark(
         experts = load_experts(built, seed, base)
         named = f"seed{seed}-{code_key()}-{accuracy_precision.tag()}.json"
         cache = ScoreCache(cache_dir / "scores" / experts_key / named)
-        per_seed.append(evaluate_seed(base, experts, score, cache, adamerging=stage, progress=progress))
+        per_seed.append(evaluate_seed(base, experts, score, cache, adamerging=stage, progress=progress,
+                                      expert_scores=built["experts"][seed]))  # fmt: skip
         seconds[f"merge and score, seed {seed}"] = time.perf_counter() - start
         log(f"seed {seed}: merged and scored in {seconds[f'merge and score, seed {seed}']:.0f} s")
     summary = summarize(per_seed)

@@ -8,7 +8,7 @@ functions that compute it), so a rerun with the same inputs only reads files:
 - ``probes/<key>/heads.safetensors``: ``<task>/{weight,bias}``; ``probes.json``: chosen L2, val accuracy per
   L2, base val / test accuracy per task, times.
 - ``experts/<key>/seed<k>/<task>/``: ``model.safetensors`` (the full ``BertModel`` state dict, float32) and
-  ``config.json`` (a Hugging Face folder, like the base model's), ``scores.json`` (val / test accuracy on every
+  ``config.json`` (a Hugging Face folder, like the base model's), ``scores.json`` (val / test accuracy on its own
   task, times); ``experts/<key>/summary-seeds-<k,...>.json``: what ``build_experts`` returns.
 
 ``python -m specmerge_bench.accuracy.experts --cache DIR [--seeds 0] [--steps 800] [--lr 1e-4]`` builds them
@@ -39,7 +39,6 @@ from specmerge_bench.accuracy.base_model import load_base_model_path
 from specmerge_bench.accuracy.data import SPLITS, AccuracyDataError, build_tasks, read_split, sha256_file
 from specmerge_bench.accuracy.model import (
     EVAL_SPLITS,
-    EXPERTS_CODE,
     L2_GRID,
     MAX_LENGTH,
     MODEL_FILES,
@@ -53,8 +52,8 @@ from specmerge_bench.accuracy.model import (
     fit_probe,
     load_base,
     pooled_features,
-    train_expert,
 )
+from specmerge_bench.accuracy.training import EXPERTS_CODE, train_expert
 
 
 def _digest(inputs: object) -> str:
@@ -229,7 +228,8 @@ def _expert(
     start = time.perf_counter()
     state = train_expert(base, tasks_encoded[task]["train"], heads[task], seed, **hyper)
     trained = time.perf_counter()
-    scores = {split: evaluate(state, tasks_encoded, heads, split, scratch=scratch) for split in EVAL_SPLITS}
+    own = {task: tasks_encoded[task]}  # scored on its own task (the other tasks are the merges' business)
+    scores = {split: evaluate(state, own, heads, split, scratch=scratch) for split in EVAL_SPLITS}
     record = {"seconds": {"train": trained - start, "eval": time.perf_counter() - trained}, **scores}
     staging = _staging(folder)
     safetensors.torch.save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
@@ -258,7 +258,7 @@ def build_experts(
     ``model_dir`` to the pinned base model. ``log`` receives one line per stage. The summary (also written to
     ``experts/<key>/summary-seeds-<seeds>.json``) holds the cache ``paths`` (``tokens``: the encoded file,
     ``heads``, ``experts``: seed -> task -> folder), ``probes`` (per task chosen L2 and base train / val / test
-    accuracy), ``experts`` (seed -> task -> val / test accuracy on every task and seconds), ``seconds`` per
+    accuracy), ``experts`` (seed -> task -> val / test accuracy on its own task and seconds), ``seconds`` per
     stage as measured when it was built, ``cached`` flags, and ``eval_sentences_per_second``.
     """
     cache_dir = Path(cache_dir).resolve()

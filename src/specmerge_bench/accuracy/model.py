@@ -13,10 +13,11 @@ Protocol (one base encoder, the pinned all-MiniLM-L6-v2 ``BertModel`` without it
 - **Heads.** Per task a multinomial logistic regression on the base model's features (``fit_probe``), fitted
   on train, L2 strength chosen on val; standardisation is folded into the weights, so a ``Head`` maps raw
   pooled features to logits. Heads stay frozen afterwards.
-- **Experts.** ``train_expert`` fine-tunes the encoder's ``nn.Linear`` weights and biases only (36 in MiniLM;
-  embeddings and LayerNorms stay bit-identical to the base), minimising the frozen head's cross-entropy with
-  AdamW, linear warmup then linear decay to zero, dropout on. Weight decay defaults to 0: AdamW's decay pulls
-  weights toward zero, which would add the same task-independent ``-c·W_base`` component to every task vector.
+- **Experts.** ``train_expert`` (:mod:`.training`) fine-tunes the encoder's ``nn.Linear`` weights and biases
+  only (36 in MiniLM; embeddings and LayerNorms stay bit-identical to the base), minimising the frozen head's
+  cross-entropy with AdamW, linear warmup then linear decay to zero, dropout on. Weight decay defaults to 0:
+  AdamW's decay pulls weights toward zero, which would add the same task-independent ``-c·W_base``
+  component to every task vector.
 - **Scores.** Accuracy of ``argmax(head(features))`` per task (``evaluate``), on val (for choices) or test.
 - **AdaMerging** (:mod:`specmerge_bench.accuracy.adamerging`) gets a split's inputs without labels
   (``unlabeled_inputs``) and every task's head logits on them (``multitask_logits``).
@@ -28,7 +29,6 @@ The cached stages that use these functions (tokens, probes, experts) are in
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -143,31 +143,63 @@ def mean_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:
     return (hidden.to(torch.float32) * mask).sum(1) / mask.sum(1).clamp(min=1.0)
 
 
-def _forward_pooled(model: transformers.BertModel, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """Pooled features of one batch, cut to its longest row."""
+def forward_pooled(model: transformers.BertModel, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """Pooled features of one batch, the encoder run on its real tokens only ("packed").
+
+    The same function as ``mean_pool(model(input_ids, attention_mask).last_hidden_state, attention_mask)`` (a
+    test checks it in float64): a BERT layer acts on each token separately except in attention, and attention
+    masks the padding keys, so the padded positions never reach a real token. Here the embeddings run on the
+    batch cut to its longest row; every linear layer, LayerNorm, GELU and dropout runs on the T real tokens
+    (T x hidden) instead of batch x longest; only attention scatters them back to batch x longest (padded keys
+    masked). In training batches (random rows, a longest row about twice the mean) that halves the work of the
+    linear layers. The modules are called as they are (``model.encoder.layer[i].attention.self.query`` ...), so
+    a PEFT LoRA-wrapped or ``functional_call``-substituted model runs the same way.
+    """
     length = int(attention_mask.sum(1).max())
-    mask = attention_mask[:, :length]
-    hidden = model(input_ids=input_ids[:, :length], attention_mask=mask).last_hidden_state
-    return mean_pool(hidden, mask)
+    mask = attention_mask[:, :length].bool()
+    batch = mask.shape[0]
+    hidden = model.embeddings(input_ids=input_ids[:, :length])
+    width = hidden.shape[-1]
+    real = mask.reshape(-1).nonzero().squeeze(1)  # positions of the real tokens in the flattened batch
+    tokens = hidden.reshape(-1, width)[real]
+    keys = mask[:, None, None, :]  # attend to real keys only
+    for layer in model.encoder.layer:
+        attention = layer.attention.self
+        heads = attention.num_attention_heads
+        packed = torch.cat([attention.query(tokens), attention.key(tokens), attention.value(tokens)], dim=1)
+        padded = packed.new_zeros(batch * length, 3 * width).index_copy(0, real, packed)
+        q, k, v = padded.view(batch, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
+        dropout = attention.dropout.p if attention.training else 0.0
+        context = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keys, dropout_p=dropout)
+        context = context.transpose(1, 2).reshape(batch * length, width)[real]
+        out = layer.attention.output
+        tokens = out.LayerNorm(out.dropout(out.dense(context)) + tokens)
+        out = layer.output
+        tokens = out.LayerNorm(out.dropout(out.dense(layer.intermediate(tokens))) + tokens)
+    dtype = torch.promote_types(tokens.dtype, torch.float32)  # float32 features (float64 for a float64 model)
+    sums = torch.zeros(batch, width, dtype=dtype).index_add_(0, real // length, tokens.to(dtype))
+    return sums / mask.sum(1, keepdim=True).clamp(min=1).to(dtype)
 
 
 def pooled_features(
     model: transformers.BertModel, encoded: Mapping[str, Tensor], batch_size: int = 256, autocast: bool | None = None
 ) -> Tensor:
-    """Mean-pooled last hidden states (float32, n × hidden) of ``encoded`` inputs, in eval mode, without grad.
+    """Mean-pooled last hidden states (n × hidden; float32, float64 for a float64 model) of ``encoded`` inputs,
+    in eval mode, without grad.
 
     Rows are batched in order of length (stable), so a row's result depends only on the inputs and the batch
     size. ``autocast`` runs the forward under bfloat16 autocast. The model's train / eval mode is restored.
     """
     input_ids, attention_mask = encoded["input_ids"], encoded["attention_mask"]
     order = torch.argsort(attention_mask.sum(1), stable=True)
-    out = torch.empty(len(input_ids), model.config.hidden_size)
+    dtype = torch.promote_types(model.embeddings.word_embeddings.weight.dtype, torch.float32)
+    out = torch.empty(len(input_ids), model.config.hidden_size, dtype=dtype)
     was_training = model.training
     model.eval()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision.autocast(autocast)):
         for start in range(0, len(order), batch_size):
             rows = order[start : start + batch_size]
-            out[rows] = _forward_pooled(model, input_ids[rows], attention_mask[rows])
+            out[rows] = forward_pooled(model, input_ids[rows], attention_mask[rows])
     model.train(was_training)
     return out
 
@@ -295,81 +327,14 @@ def multitask_logits(
     parts = []
     for task, inputs in batch.items():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision.autocast(autocast)):
-            features = _forward_pooled(model, inputs["input_ids"], inputs["attention_mask"])
+            features = forward_pooled(model, inputs["input_ids"], inputs["attention_mask"])
         parts.append(heads[task].logits(features))
     width = max(part.shape[1] for part in parts)
     return torch.cat([torch.cat([p, p.new_full((len(p), width - p.shape[1]), -torch.inf)], dim=1) for p in parts])
 
 
-# ------------------------------------------------------------------------------------------------ experts
-
-
-def encoder_linear_parameters(model: transformers.BertModel) -> dict[str, torch.nn.Parameter]:
-    """Weights and biases of the ``nn.Linear`` modules inside ``model.encoder``, by state-dict name."""
-    return {
-        f"encoder.{module_name}.{name}": parameter
-        for module_name, module in model.encoder.named_modules()
-        if isinstance(module, torch.nn.Linear)
-        for name, parameter in module.named_parameters(recurse=False)
-    }
-
-
-def warmup_linear_decay(step: int, steps: int, warmup_steps: int) -> float:
-    """Learning-rate factor of optimizer step ``step`` (0-based): linear up to 1 over ``warmup_steps``, then to 0."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    return max(0.0, (steps - step) / max(1, steps - warmup_steps))
-
-
-def train_expert(
-    base_model: transformers.BertModel,
-    train: EncodedSplit,
-    head: Head,
-    seed: int,
-    steps: int = 800,
-    lr: float = 1e-4,
-    batch_size: int = 32,
-    warmup: float = 0.1,
-    weight_decay: float = 0.0,
-    autocast: bool | None = None,
-) -> dict[str, Tensor]:
-    """Fine-tune a copy of ``base_model`` on ``train`` through the frozen ``head``; return its full state dict.
-
-    Only ``encoder_linear_parameters`` are trained (AdamW, ``lr`` with ``warmup`` × steps of linear warmup then
-    linear decay to zero, dropout on); every other tensor of the returned float32 state equals the base's.
-    Batches walk through a fresh permutation of ``train`` per epoch. ``seed`` fixes the batch order and dropout
-    (in a forked RNG: the global RNG is untouched), so equal inputs give an identical state. ``base_model`` is
-    not modified.
-    """
-    model = copy.deepcopy(base_model)
-    model.requires_grad_(False)
-    trainable = encoder_linear_parameters(model)
-    for parameter in trainable.values():
-        parameter.requires_grad_(True)
-    optimizer = torch.optim.AdamW(trainable.values(), lr=lr, weight_decay=weight_decay)
-    warmup_steps = round(warmup * steps)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_linear_decay(step, steps, warmup_steps))
-    generator = torch.Generator().manual_seed(seed)
-    order = torch.empty(0, dtype=torch.long)
-    model.train()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for _ in range(steps):
-            if len(order) < batch_size:
-                order = torch.cat([order, torch.randperm(len(train), generator=generator)])
-            rows, order = order[:batch_size], order[batch_size:]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision.autocast(autocast)):
-                features = _forward_pooled(model, train.input_ids[rows], train.attention_mask[rows])
-            loss = torch.nn.functional.cross_entropy(head.logits(features), train.labels[rows])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-    return {name: tensor.detach().to(torch.float32).clone() for name, tensor in model.state_dict().items()}
-
-
 # The functions (and classes) whose source each cached stage's key hashes, in the order hashed
-# (:mod:`specmerge_bench.accuracy.experts`): a change to one of them rebuilds that stage.
+# (:mod:`specmerge_bench.accuracy.experts`; the experts' in :mod:`.training`): a change to one of them rebuilds
+# that stage.
 TOKENS_CODE = (encode, EncodedSplit)
-PROBES_CODE = (mean_pool, _forward_pooled, pooled_features, accuracy, fit_logistic, fit_probe)
-EXPERTS_CODE = (_forward_pooled, mean_pool, encoder_linear_parameters, warmup_linear_decay, train_expert)
+PROBES_CODE = (forward_pooled, pooled_features, accuracy, fit_logistic, fit_probe)
