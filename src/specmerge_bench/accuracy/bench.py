@@ -48,10 +48,12 @@ if TYPE_CHECKING:
 SCALES = (0.1, 0.2, 0.3, 0.5, 1.0)
 
 Scorer = Callable[[StateDict, str], dict[str, float]]  # (state dict, "val" | "test") -> task -> accuracy
+Merger = Callable[[Sequence[Candidate], Sequence[int], bool], MergedDeltas]  # (candidates, WUDI steps, progress)
 
 
-def code_key() -> str:
-    """A hash of the code that computes merges: cached scores are reused only while it is unchanged."""
+def code_key(track: str = "full") -> str:
+    """A hash of the code that computes merges: cached scores are reused only while it is unchanged (the LoRA
+    track's merges also run the adapter reader, the merge's compute routes and :mod:`.lora`)."""
     import specmerge
 
     core = Path(specmerge.__file__).resolve().parent
@@ -62,6 +64,9 @@ def code_key() -> str:
         core / "pipeline" / "recipe.py",
         Path(__file__).resolve().with_name("merging.py"),
     ]
+    if track == "lora":
+        files += [core / "io" / "peft.py", core / "pipeline" / "compute.py"]
+        files.append(Path(__file__).resolve().with_name("lora.py"))
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.name.encode())
@@ -98,12 +103,15 @@ def evaluate_seed(
     adamerging: AdaMergingStage | None = None,
     progress: bool = True,
     expert_scores: Mapping[str, Mapping[str, Mapping[str, float]]] | None = None,
+    merge: Merger | None = None,
 ) -> dict[str, Any]:
     """Every row for one set of experts (task -> expert state dict): chosen setting, val mean, test accuracies;
     with ``adamerging``, the AdaMerging rows, each next to its anchor row.
 
     ``expert_scores`` (task -> split -> task -> accuracy, as ``build_experts`` scored each expert with the same
     scorer) gives each expert's own accuracy without scoring it again; without it the experts are scored here.
+    ``merge`` computes the candidates' deltas (default: :func:`merge_candidates` on the experts' state dicts; the
+    LoRA track's :class:`~specmerge_bench.accuracy.lora.AdapterMerger` merges adapter folders instead).
 
     Only the candidates with a score missing from ``cache`` are merged, so a rerun over cached scores does
     no merging at all. Merge times are cached with the scores (key ``<candidate>|merge``).
@@ -112,19 +120,23 @@ def evaluate_seed(
     rows = method_rows() + step_rows()
     needed = {c.key: c for c in missing_candidates(rows, cache, adamerging)}
     wudi_steps = sorted({c.params["steps"] for c in needed.values() if c.method == "wudi"})  # one run, snapshots
-    deltas = merge_candidates(
-        base, list(experts.values()), [c for c in needed.values() if c.method != "wudi"],
-        wudi_steps=wudi_steps, progress=progress and bool(needed),
-    )  # fmt: skip
+    if merge is None:
+
+        def merge(candidates: Sequence[Candidate], steps: Sequence[int], show: bool) -> MergedDeltas:
+            return merge_candidates(base, list(experts.values()), candidates, wudi_steps=steps, progress=show)
+
+    deltas = merge([c for c in needed.values() if c.method != "wudi"], wudi_steps, progress and bool(needed))
     merged = [c.key for c in needed.values() if c.method != "wudi"] + (["wudi_steps"] if wudi_steps else [])
     for key in merged:
-        cache.put(f"{key}|merge", {"seconds": deltas.seconds[key]})
+        routes = {"routes": deltas.routes[key]} if key in deltas.routes else {}
+        cache.put(f"{key}|merge", {"seconds": deltas.seconds[key], **routes})
     result: dict[str, Any] = {
         "tasks": tasks,
         "base": {split: cache.get(f"base|{split}", lambda s=split: score(base, s)) for split in ("val", "test")},
         "experts": {},
         "rows": {},
         "merge_seconds": {k[: -len("|merge")]: v["seconds"] for k, v in cache.scores.items() if k.endswith("|merge")},
+        "routes": {k[: -len("|merge")]: v["routes"] for k, v in cache.scores.items() if "routes" in v},
     }
     for task, state in experts.items():
         own = expert_scores[task] if expert_scores is not None else {
@@ -250,6 +262,7 @@ def run_benchmark(
     progress: bool = True,
     log: Callable[[str], None] = print,
     precision: str = "auto",
+    track: str = "full",
 ) -> tuple[dict[str, Any], Path]:
     """The whole benchmark: data -> probes -> experts -> merges -> scores -> tables and plots, every stage cached.
 
@@ -260,14 +273,17 @@ def run_benchmark(
     BERT and a synthetic task set). ``adamerging`` sets the AdaMerging rows (None leaves them out); they are
     given the test inputs only, without labels. ``precision``: ``auto`` (bfloat16 autocast where the CPU runs bf16
     natively, float32 elsewhere), ``bfloat16`` or ``float32`` (:mod:`specmerge_bench.accuracy.precision`); every
-    stage's cache key and the results folder name hold it with the CPU's capability.
+    stage's cache key and the results folder name hold it with the CPU's capability. ``track``: ``full``
+    (fine-tuned experts) or ``lora`` (PEFT LoRA adapters merged through the adapter path,
+    :mod:`specmerge_bench.accuracy.lora`; no AdaMerging rows); the results folder name starts with ``lora-``.
     """
     from specmerge_bench.accuracy import precision as accuracy_precision
 
     with accuracy_precision.using(precision) as name:
         log(f"precision: {name} ({accuracy_precision.tag()}; asked {precision})")
         return _run_benchmark(cache_dir, seeds, model_dir=model_dir, manifest=manifest, steps=steps,
-                              adamerging=adamerging, progress=progress, log=log)  # fmt: skip
+                              adamerging=adamerging if track == "full" else None, progress=progress, log=log,
+                              track=track)  # fmt: skip
 
 
 def _run_benchmark(
@@ -280,6 +296,7 @@ def _run_benchmark(
     adamerging: AdaMergingSettings | None,
     progress: bool,
     log: Callable[[str], None],
+    track: str,
 ) -> tuple[dict[str, Any], Path]:
     import time
 
@@ -291,7 +308,7 @@ def _run_benchmark(
     cache_dir = Path(cache_dir).resolve()
     started = time.perf_counter()
     built = accuracy_experts.build_experts(cache_dir, seeds, steps=steps, model_dir=model_dir, manifest=manifest,
-                                           log=log)  # fmt: skip
+                                           track=track, log=log)  # fmt: skip
     prepared = time.perf_counter() - started
     base_model, base, tasks_encoded, heads = load_scoring(built, model_dir)
     stage = None
@@ -305,16 +322,27 @@ def _run_benchmark(
     per_seed, seconds = [], {"build (data, probes, experts)": prepared}
     for seed in seeds:
         start = time.perf_counter()
-        experts = load_experts(built, seed, base)
-        named = f"seed{seed}-{code_key()}-{accuracy_precision.tag()}.json"
+        merge = None
+        if track == "lora":
+            from specmerge_bench.accuracy.base_model import load_base_model_path
+            from specmerge_bench.accuracy.lora import AdapterMerger, dense_expert
+
+            folders = built["paths"]["experts"][seed]
+            experts = {task: dense_expert(base_model, folder) for task, folder in folders.items()}
+            base_dir = model_dir or load_base_model_path()
+            merge = AdapterMerger(base_dir, base, list(folders.values()), list(experts.values()))
+        else:
+            experts = load_experts(built, seed, base)
+        named = f"seed{seed}-{code_key(track)}-{accuracy_precision.tag()}.json"
         cache = ScoreCache(cache_dir / "scores" / experts_key / named)
         per_seed.append(evaluate_seed(base, experts, score, cache, adamerging=stage, progress=progress,
-                                      expert_scores=built["experts"][seed]))  # fmt: skip
+                                      expert_scores=built["experts"][seed], merge=merge))  # fmt: skip
         seconds[f"merge and score, seed {seed}"] = time.perf_counter() - start
         log(f"seed {seed}: merged and scored in {seconds[f'merge and score, seed {seed}']:.0f} s")
     summary = summarize(per_seed)
     seeds_named = "-".join(map(str, seeds))
-    folder = cache_dir / "results" / f"{experts_key}-{code_key()}-{accuracy_precision.tag()}-seeds-{seeds_named}"
+    named = f"{'lora-' if track == 'lora' else ''}{experts_key}-{code_key(track)}-{accuracy_precision.tag()}"
+    folder = cache_dir / "results" / f"{named}-seeds-{seeds_named}"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "results.json").write_text(json.dumps({"summary": summary, "per_seed": per_seed}, indent=1))
     (folder / "results.md").write_text(markdown(summary))
@@ -338,6 +366,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=PRECISIONS, default="auto",
                         help="forward passes under bfloat16 autocast or in float32; auto (default): bfloat16 where "
                              "the CPU runs it natively (oneDNN's check), float32 elsewhere")  # fmt: skip
+    parser.add_argument("--track", choices=("full", "lora"), default="full",
+                        help="full (default): fine-tuned experts; lora: rank-16 PEFT LoRA experts, merged from their "
+                             "adapter folders")  # fmt: skip
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(run=lambda args: run(args, parser))
 
@@ -351,7 +382,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
     summary, folder = run_benchmark(
-        args.cache, args.seeds, steps=args.steps, progress=not args.quiet, precision=args.precision
+        args.cache, args.seeds, steps=args.steps, progress=not args.quiet, precision=args.precision, track=args.track
     )
     print(markdown(summary))
     print(f"results, plots and timings: {folder}")

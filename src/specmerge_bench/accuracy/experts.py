@@ -10,9 +10,11 @@ functions that compute it), so a rerun with the same inputs only reads files:
 - ``experts/<key>/seed<k>/<task>/``: ``model.safetensors`` (the full ``BertModel`` state dict, float32) and
   ``config.json`` (a Hugging Face folder, like the base model's), ``scores.json`` (val / test accuracy on its own
   task, times); ``experts/<key>/summary-seeds-<k,...>.json``: what ``build_experts`` returns.
+- ``lora-experts/<key>/seed<k>/<task>/`` (the LoRA track): ``adapter_config.json`` and
+  ``adapter_model.safetensors`` (PEFT's format) and ``scores.json``; a summary as above.
 
-``python -m specmerge_bench.accuracy.experts --cache DIR [--seeds 0] [--steps 800] [--lr 1e-4]`` builds them
-and prints the experts' accuracies.
+``python -m specmerge_bench.accuracy.experts --cache DIR [--seeds 0] [--steps 800] [--lr LR] [--track lora]``
+builds them and prints the experts' accuracies.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import peft
 import safetensors.torch
 import torch
 import transformers
@@ -53,7 +58,7 @@ from specmerge_bench.accuracy.model import (
     load_base,
     pooled_features,
 )
-from specmerge_bench.accuracy.training import EXPERTS_CODE, train_expert
+from specmerge_bench.accuracy.training import EXPERTS_CODE, LORA_CODE, train_expert, train_lora_expert
 
 
 def _digest(inputs: object) -> str:
@@ -213,8 +218,37 @@ def _probes_stage(
     return final, {**record, "cached": False}
 
 
+def _save_full(base: transformers.BertModel, state: Mapping[str, Tensor], staging: Path) -> dict[str, Tensor]:
+    safetensors.torch.save_file(dict(state), staging / "model.safetensors", metadata={"format": "pt"})
+    base.config.to_json_file(staging / "config.json")
+    return dict(state)
+
+
+def _save_lora(base: transformers.BertModel, adapted, staging: Path) -> dict[str, Tensor]:
+    adapted.save_pretrained(staging)  # PEFT's format: adapter_config.json, adapter_model.safetensors
+    return adapted.merge_and_unload().state_dict()  # scored as its merge_and_unload checkpoint
+
+
+@dataclass(frozen=True)
+class Track:
+    """How one kind of expert is trained, saved (a model folder, or a PEFT adapter) and keyed in the cache."""
+
+    folder: str  # cache subfolder
+    code: tuple  # the functions whose source the stage's key hashes
+    train: Callable  # training.train_expert / train_lora_expert
+    save: Callable[[transformers.BertModel, Any, Path], dict[str, Tensor]]  # writes the files, returns the state
+    defaults: Mapping[str, Any]  # hyperparameters of this track beyond the shared ones
+
+
+TRACKS = {
+    "full": Track("experts", EXPERTS_CODE, train_expert, _save_full, {"lr": 1e-4}),
+    "lora": Track("lora-experts", LORA_CODE, train_lora_expert, _save_lora, {"lr": 5e-4, "rank": 16, "alpha": 32}),
+}
+
+
 def _expert(
     folder: Path,
+    track: Track,
     base: transformers.BertModel,
     scratch: transformers.BertModel,
     tasks_encoded,
@@ -226,14 +260,14 @@ def _expert(
     if (folder / "scores.json").is_file():
         return {**_read_json(folder / "scores.json"), "cached": True}
     start = time.perf_counter()
-    state = train_expert(base, tasks_encoded[task]["train"], heads[task], seed, **hyper)
-    trained = time.perf_counter()
+    trained = track.train(base, tasks_encoded[task]["train"], heads[task], seed, **hyper)
+    seconds = time.perf_counter() - start
+    staging = _staging(folder)
+    state = track.save(base, trained, staging)
+    start = time.perf_counter()
     own = {task: tasks_encoded[task]}  # scored on its own task (the other tasks are the merges' business)
     scores = {split: evaluate(state, own, heads, split, scratch=scratch) for split in EVAL_SPLITS}
-    record = {"seconds": {"train": trained - start, "eval": time.perf_counter() - trained}, **scores}
-    staging = _staging(folder)
-    safetensors.torch.save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
-    base.config.to_json_file(staging / "config.json")
+    record = {"seconds": {"train": seconds, "eval": time.perf_counter() - start}, **scores}
     _write_json(staging / "scores.json", record)
     _publish(staging, folder)
     return {**record, "cached": False}
@@ -243,16 +277,22 @@ def build_experts(
     cache_dir: str | Path,
     seeds: Sequence[int] = (0,),
     steps: int = 800,
-    lr: float = 1e-4,
+    lr: float | None = None,
     batch_size: int = 32,
     warmup: float = 0.1,
     weight_decay: float = 0.0,
     *,
+    track: str = "full",
     model_dir: str | Path | None = None,
     manifest: Mapping | None = None,
     log: Callable[[str], None] | None = None,
 ) -> dict:
     """Build (or read from the cache) tokens, probe heads and one expert per (seed, task); return a summary.
+
+    ``track`` ``full`` fine-tunes the encoder's linear layers (``training.train_expert``, ``lr`` default 1e-4,
+    experts saved as model folders under ``experts/``); ``lora`` trains a rank-16 PEFT LoRA adapter per task on
+    the same layers (``training.train_lora_expert``, ``lr`` default 5e-4, adapters saved in PEFT's format under
+    ``lora-experts/``, each scored as its ``merge_and_unload`` checkpoint).
 
     ``manifest`` defaults to ``build_tasks(cache_dir)`` (its ``tasks_dir`` is relative to ``cache_dir``);
     ``model_dir`` to the pinned base model. ``log`` receives one line per stage. The summary (also written to
@@ -279,23 +319,29 @@ def build_experts(
     heads = load_heads(probes_dir / "heads.safetensors")
     say(f"probes {probes_dir} ({_took(probes['cached'], sum(probes['seconds'].values()))})")
 
+    if track not in TRACKS:
+        raise ValueError(f"unknown expert track {track!r}; choose one of {', '.join(TRACKS)}")
+    kind = TRACKS[track]
     hyper = {
+        **kind.defaults,
         "steps": steps,
-        "lr": lr,
         "batch_size": batch_size,
         "warmup": warmup,
         "weight_decay": weight_decay,
         "autocast": precision.autocast(),
     }
+    if lr is not None:
+        hyper["lr"] = lr
     inputs = {
         "probes": probes_dir.name,
         "precision": precision.tag(),
         "hyper": hyper,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "code": _code(*EXPERTS_CODE),
+        "code": _code(*kind.code),
+        **({"peft": peft.__version__} if track == "lora" else {}),
     }
-    experts_dir = cache_dir / "experts" / _digest(inputs)[:16]
+    experts_dir = cache_dir / kind.folder / _digest(inputs)[:16]
     experts_dir.mkdir(parents=True, exist_ok=True)
     _write_json(experts_dir / "inputs.json", inputs)
     scratch = copy.deepcopy(base)
@@ -304,13 +350,14 @@ def build_experts(
         experts[seed], paths[seed] = {}, {}
         for task in tasks_encoded:
             folder = experts_dir / f"seed{seed}" / task
-            record = _expert(folder, base, scratch, tasks_encoded, heads, task, seed, hyper)
+            record = _expert(folder, kind, base, scratch, tasks_encoded, heads, task, seed, hyper)
             experts[seed][task], paths[seed][task] = record, str(folder)
             gap = record["val"][task] - probes["tasks"][task]["val"]
             timing = _took(record["cached"], record["seconds"]["train"])
             say(f"expert seed {seed} {task}: val {record['val'][task]:.3f}, {gap:+.3f} over base ({timing})")
 
     summary = {
+        "track": track,
         "tasks": list(tasks_encoded),
         "hyper": hyper,
         "paths": {
@@ -342,14 +389,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds (default 0)")
     parser.add_argument("--steps", type=int, default=800, help="optimizer steps per expert (default 800)")
-    parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="peak learning rate (default 1e-4 for full fine-tuning, 5e-4 for LoRA)")  # fmt: skip
+    parser.add_argument("--track", choices=sorted(TRACKS), default="full",
+                        help="full: fine-tune the encoder's linear layers; lora: a rank-16 PEFT LoRA adapter "
+                             "on them")  # fmt: skip
     parser.add_argument("--precision", choices=precision.PRECISIONS, default="auto",
                         help="bfloat16 autocast or float32 (auto: bfloat16 where the CPU has it natively)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         with precision.using(args.precision):
             summary = build_experts(
-                args.cache, args.seeds, steps=args.steps, lr=args.lr, log=lambda line: print(line, file=sys.stderr)
+                args.cache,
+                args.seeds,
+                steps=args.steps,
+                lr=args.lr,
+                track=args.track,
+                log=lambda line: print(line, file=sys.stderr),
             )
     except (AccuracyDataError, OSError, ValueError) as err:
         print(f"specmerge_bench.accuracy.experts: error: {err}", file=sys.stderr)

@@ -66,6 +66,7 @@ class MergedDeltas:
     method: dict[str, StateDict]  # candidate key -> tensor name -> delta (scale 1)
     averaged: dict[str, StateDict]  # candidate key -> tensor name -> mean delta
     seconds: dict[str, float]  # candidate key -> compute time; "wudi_steps" -> the one snapshot run
+    routes: dict[str, dict[str, int]] = field(default_factory=dict)  # candidate key -> route -> tensors (files)
 
     def state(self, base: StateDict, candidate: Candidate, scale: float) -> StateDict:
         """The merged model's state dict for ``candidate`` at final scale ``scale``."""
