@@ -283,6 +283,7 @@ def build_experts(
     weight_decay: float = 0.0,
     *,
     track: str = "full",
+    rank: int | None = None,
     model_dir: str | Path | None = None,
     manifest: Mapping | None = None,
     log: Callable[[str], None] | None = None,
@@ -292,7 +293,8 @@ def build_experts(
     ``track`` ``full`` fine-tunes the encoder's linear layers (``training.train_expert``, ``lr`` default 1e-4,
     experts saved as model folders under ``experts/``); ``lora`` trains a rank-16 PEFT LoRA adapter per task on
     the same layers (``training.train_lora_expert``, ``lr`` default 5e-4, adapters saved in PEFT's format under
-    ``lora-experts/``, each scored as its ``merge_and_unload`` checkpoint).
+    ``lora-experts/``, each scored as its ``merge_and_unload`` checkpoint); ``rank`` replaces its rank 16 (and
+    ``lora_alpha`` becomes 2 x rank).
 
     ``manifest`` defaults to ``build_tasks(cache_dir)`` (its ``tasks_dir`` is relative to ``cache_dir``);
     ``model_dir`` to the pinned base model. ``log`` receives one line per stage. The summary (also written to
@@ -332,6 +334,10 @@ def build_experts(
     }
     if lr is not None:
         hyper["lr"] = lr
+    if rank is not None:
+        if track != "lora":
+            raise ValueError("rank is a setting of the LoRA track; pass track='lora'")
+        hyper.update(rank=rank, alpha=2 * rank)
     inputs = {
         "probes": probes_dir.name,
         "precision": precision.tag(),
