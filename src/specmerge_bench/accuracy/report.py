@@ -149,7 +149,8 @@ def plots(summary: Mapping[str, Any], folder: Path) -> list[Path]:
     ax.errorbar(x, y, yerr=e, marker="o", label="WUDI (Adam, lr 1e-5)")
     closed = summary["rows"]["closed_form"]["average"]
     ax.axhline(100 * closed["mean"], color="tab:red", linestyle="--", label="D C⁺ (closed form)")
-    ax.set_xlabel("WUDI optimizer steps")
+    ax.set_xscale("log")  # the sweep runs from 100 to thousands of steps
+    ax.set_xlabel("WUDI optimizer steps (log scale)")
     ax.set_ylabel("average test accuracy (%)")
     ax.legend()
     fig.tight_layout()

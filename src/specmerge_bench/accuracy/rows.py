@@ -16,7 +16,7 @@ from typing import Any
 from specmerge.methods import candidate_settings
 from specmerge_bench.accuracy.merging import Candidate
 
-WUDI_STEPS = (100, 200, 300, 500, 700, 1000)  # the step sweep: one WUDI run per seed, with snapshots
+WUDI_STEPS = (100, 200, 300, 500, 700, 1000, 1500, 2000, 3000, 5000)  # one WUDI run per seed, with snapshots
 
 
 @dataclass(frozen=True)
