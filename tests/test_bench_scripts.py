@@ -50,6 +50,8 @@ def cases(tmp: Path, family: Path) -> list[tuple[list[str], str]]:
         (["under_load.py", "--models", str(tmp / "a-file")], "is a file; give a folder"),
         (["under_load.py", "--models", str(tmp / "new"), "--methods", "nope"], "--methods: unknown nope"),
         (["accuracy_investigate.py", "--cache", str(tmp / "empty")], "holds no experts of seed 0"),
+        (["lora_equivalence.py", "--cache", str(tmp / "empty")], "holds no LoRA experts of seed 0"),
+        (["lora_equivalence.py", "--cache", str(tmp / "none")], "is not a folder"),
         (["lora_speed.py", "--methods", "ties"], "invalid choice: 'ties'"),
         (["ray_executor.py", "--models", str(tmp / "empty"), "--work", str(tmp / "w")], "is not a folder"),
     ]

@@ -231,24 +231,24 @@ def adamerge_row(
 
 
 def load_scoring(built: Mapping[str, Any], model_dir: str | Path | None = None) -> tuple[Any, StateDict, Any, Any]:
-    """(base model, a copy of its state dict, encoded tasks, probe heads) for scoring, from ``build_experts``."""
-    from specmerge_bench.accuracy import experts, model
+    """(base model, a copy of its state dict, encoded tasks, probe heads) for scoring, from ``build_setting``."""
+    from specmerge_bench.accuracy import model
+    from specmerge_bench.accuracy.cache_files import load_encoded, load_heads
 
     base_model, _ = model.load_base(model_dir)
     base = {k: v.detach().clone() for k, v in base_model.state_dict().items()}
-    tasks_encoded = experts.load_encoded(built["paths"]["tokens"])
-    return base_model, base, tasks_encoded, experts.load_heads(built["paths"]["heads"])
+    tasks_encoded = {k: v for path in built["paths"]["tokens"] for k, v in load_encoded(path).items()}
+    return base_model, base, tasks_encoded, {k: v for p in built["paths"]["heads"] for k, v in load_heads(p).items()}
 
 
 def load_experts(built: Mapping[str, Any], seed: int, base: StateDict) -> dict[str, StateDict]:
     """Task -> the seed's expert state dict, with the base's tensor names."""
     from safetensors.torch import load_file
 
-    experts = {}
-    for task, folder in built["paths"]["experts"][seed].items():
-        state = load_file(Path(folder) / "model.safetensors")
-        experts[task] = {name: state[name] for name in base}
-    return experts
+    states = {
+        task: load_file(Path(folder) / "model.safetensors") for task, folder in built["paths"]["experts"][seed].items()
+    }
+    return {task: {name: state[name] for name in base} for task, state in states.items()}
 
 
 def run_benchmark(
@@ -263,6 +263,7 @@ def run_benchmark(
     log: Callable[[str], None] = print,
     precision: str = "auto",
     track: str = "full",
+    n_tasks: int = 8,
 ) -> tuple[dict[str, Any], Path]:
     """The whole benchmark: data -> probes -> experts -> merges -> scores -> tables and plots, every stage cached.
 
@@ -276,6 +277,7 @@ def run_benchmark(
     stage's cache key and the results folder name hold it with the CPU's capability. ``track``: ``full``
     (fine-tuned experts) or ``lora`` (PEFT LoRA adapters merged through the adapter path,
     :mod:`specmerge_bench.accuracy.lora`; no AdaMerging rows); the results folder name starts with ``lora-``.
+    ``n_tasks``: the 8-task setting or the 16-task one (:mod:`specmerge_bench.accuracy.settings`).
     """
     from specmerge_bench.accuracy import precision as accuracy_precision
 
@@ -283,7 +285,7 @@ def run_benchmark(
         log(f"precision: {name} ({accuracy_precision.tag()}; asked {precision})")
         return _run_benchmark(cache_dir, seeds, model_dir=model_dir, manifest=manifest, steps=steps,
                               adamerging=adamerging if track == "full" else None, progress=progress, log=log,
-                              track=track)  # fmt: skip
+                              track=track, n_tasks=n_tasks)  # fmt: skip
 
 
 def _run_benchmark(
@@ -297,18 +299,19 @@ def _run_benchmark(
     progress: bool,
     log: Callable[[str], None],
     track: str,
+    n_tasks: int,
 ) -> tuple[dict[str, Any], Path]:
     import time
 
-    from specmerge_bench.accuracy import experts as accuracy_experts
     from specmerge_bench.accuracy import model as accuracy_model
     from specmerge_bench.accuracy import precision as accuracy_precision
     from specmerge_bench.accuracy.adamerging import AdaMergingStage
+    from specmerge_bench.accuracy.settings import build_setting
 
     cache_dir = Path(cache_dir).resolve()
     started = time.perf_counter()
-    built = accuracy_experts.build_experts(cache_dir, seeds, steps=steps, model_dir=model_dir, manifest=manifest,
-                                           track=track, log=log)  # fmt: skip
+    built = build_setting(cache_dir, seeds, n_tasks, steps=steps, model_dir=model_dir, manifest=manifest, track=track,
+                          log=log)  # fmt: skip
     prepared = time.perf_counter() - started
     base_model, base, tasks_encoded, heads = load_scoring(built, model_dir)
     stage = None
@@ -318,7 +321,7 @@ def _run_benchmark(
     def score(state: StateDict, split: str) -> dict[str, float]:
         return accuracy_model.evaluate(state, tasks_encoded, heads, split, scratch=base_model)
 
-    experts_key = Path(next(iter(built["paths"]["experts"][seeds[0]].values()))).parents[1].name
+    experts_key = built["experts_key"]
     per_seed, seconds = [], {"build (data, probes, experts)": prepared}
     for seed in seeds:
         start = time.perf_counter()
@@ -369,6 +372,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--track", choices=("full", "lora"), default="full",
                         help="full (default): fine-tuned experts; lora: rank-16 PEFT LoRA experts, merged from their "
                              "adapter folders")  # fmt: skip
+    parser.add_argument("--tasks", type=int, choices=(8, 16), default=8,
+                        help="8 (default): the eight tasks; 16: those and eight more")  # fmt: skip
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(run=lambda args: run(args, parser))
 
@@ -382,7 +387,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
     summary, folder = run_benchmark(
-        args.cache, args.seeds, steps=args.steps, progress=not args.quiet, precision=args.precision, track=args.track
+        args.cache,
+        args.seeds,
+        steps=args.steps,
+        progress=not args.quiet,
+        precision=args.precision,
+        track=args.track,
+        n_tasks=args.tasks,
     )
     print(markdown(summary))
     print(f"results, plots and timings: {folder}")

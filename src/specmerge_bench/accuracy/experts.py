@@ -21,11 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
-import inspect
-import json
-import os
-import shutil
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -41,12 +36,25 @@ from torch import Tensor
 
 from specmerge_bench.accuracy import precision
 from specmerge_bench.accuracy.base_model import load_base_model_path
-from specmerge_bench.accuracy.data import SPLITS, AccuracyDataError, build_tasks, read_split, sha256_file
+from specmerge_bench.accuracy.cache_files import (
+    code_digest,
+    digest,
+    load_encoded,
+    load_heads,
+    model_files,
+    publish,
+    read_json,
+    save_encoded,
+    save_heads,
+    staging_folder,
+    took,
+    write_json,
+)
+from specmerge_bench.accuracy.data import SPLITS, AccuracyDataError, build_tasks, read_split
 from specmerge_bench.accuracy.model import (
     EVAL_SPLITS,
     L2_GRID,
     MAX_LENGTH,
-    MODEL_FILES,
     PROBES_CODE,
     TOKENS_CODE,
     EncodedSplit,
@@ -61,89 +69,6 @@ from specmerge_bench.accuracy.model import (
 from specmerge_bench.accuracy.training import EXPERTS_CODE, LORA_CODE, train_expert, train_lora_expert
 
 
-def _digest(inputs: object) -> str:
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
-
-
-def _code(*functions: Callable) -> str:
-    """SHA-256 of the source of the functions (and classes) a stage's output depends on."""
-    return _digest([inspect.getsource(function) for function in functions])
-
-
-def _model_files(folder: Path) -> dict[str, str]:
-    return {name: sha256_file(folder / name) for name in MODEL_FILES if (folder / name).is_file()}
-
-
-def _publish(staging: Path, final: Path) -> None:
-    """Move a finished staging folder into place (a concurrent identical build may have won: keep that one)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(staging, final)
-    except OSError:
-        shutil.rmtree(staging)
-
-
-def _staging(final: Path) -> Path:
-    staging = final.parent / f".{final.name}.{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    return staging
-
-
-def _took(cached: bool, seconds: float) -> str:
-    return "cached" if cached else f"{seconds:.1f} s"
-
-
-def _write_json(path: Path, value: object) -> None:
-    path.write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-def save_encoded(tasks_encoded: Mapping[str, Mapping[str, EncodedSplit]], path: Path) -> None:
-    """Write tokenized tasks as safetensors (``<task>/<split>/{input_ids,attention_mask,labels}``; task order in
-    the metadata)."""
-    tensors = {
-        f"{task}/{split}/{field}": getattr(encoded, field).contiguous()
-        for task, splits in tasks_encoded.items()
-        for split, encoded in splits.items()
-        for field in ("input_ids", "attention_mask", "labels")
-    }
-    safetensors.torch.save_file(tensors, path, metadata={"tasks": json.dumps(list(tasks_encoded))})
-
-
-def load_encoded(path: str | Path) -> dict[str, dict[str, EncodedSplit]]:
-    """Tokenized tasks written by ``save_encoded``: task -> split -> ``EncodedSplit``, tasks in the saved order."""
-    with safetensors.safe_open(str(path), framework="pt") as f:
-        tasks = json.loads(f.metadata()["tasks"])
-        grouped: dict[str, dict[str, dict[str, Tensor]]] = {task: {} for task in tasks}
-        for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-            task, split, field = name.split("/")
-            grouped[task].setdefault(split, {})[field] = f.get_tensor(name)
-    return {
-        task: {split: EncodedSplit(**fields) for split, fields in splits.items()} for task, splits in grouped.items()
-    }
-
-
-def save_heads(heads: Mapping[str, Head], path: Path) -> None:
-    """Write heads as safetensors (``<task>/weight``, ``<task>/bias``; L2 strengths in the metadata)."""
-    tensors = {
-        f"{task}/{field}": getattr(head, field).contiguous()
-        for task, head in heads.items()
-        for field in ("weight", "bias")
-    }
-    safetensors.torch.save_file(tensors, path, metadata={"l2": json.dumps({t: h.l2 for t, h in heads.items()})})
-
-
-def load_heads(path: str | Path) -> dict[str, Head]:
-    """Heads written by ``save_heads``: task -> ``Head``."""
-    with safetensors.safe_open(str(path), framework="pt") as f:
-        l2 = json.loads(f.metadata()["l2"])
-        return {task: Head(f.get_tensor(f"{task}/weight"), f.get_tensor(f"{task}/bias"), l2[task]) for task in l2}
-
-
 def _tokens_stage(
     cache_dir: Path, manifest: Mapping, tokenizer_files: Mapping[str, str], tokenizer
 ) -> tuple[Path, dict]:
@@ -152,11 +77,11 @@ def _tokens_stage(
         "tokenizer": tokenizer_files,
         "max_length": MAX_LENGTH,
         "transformers": transformers.__version__,
-        "code": _code(*TOKENS_CODE, save_encoded),
+        "code": code_digest(*TOKENS_CODE, save_encoded),
     }
-    final = cache_dir / "tokens" / _digest(inputs)[:16]
+    final = cache_dir / "tokens" / digest(inputs)[:16]
     if (final / "tokens.json").is_file():
-        return final, {**_read_json(final / "tokens.json"), "cached": True}
+        return final, {**read_json(final / "tokens.json"), "cached": True}
     start = time.perf_counter()
     tasks_encoded = {}
     for task in manifest["tasks"]:
@@ -166,11 +91,11 @@ def _tokens_stage(
             encoded = encode(tokenizer, [text for text, _ in rows])
             labels = torch.tensor([label for _, label in rows], dtype=torch.long)
             tasks_encoded[task][split] = EncodedSplit(encoded["input_ids"], encoded["attention_mask"], labels)
-    staging = _staging(final)
+    staging = staging_folder(final)
     save_encoded(tasks_encoded, staging / "encoded.safetensors")
     record = {"inputs": inputs, "seconds": time.perf_counter() - start}
-    _write_json(staging / "tokens.json", record)
-    _publish(staging, final)
+    write_json(staging / "tokens.json", record)
+    publish(staging, final)
     return final, {**record, "cached": False}
 
 
@@ -184,11 +109,11 @@ def _probes_stage(
         "precision": precision.tag(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "code": _code(*PROBES_CODE),
+        "code": code_digest(*PROBES_CODE),
     }
-    final = cache_dir / "probes" / _digest(inputs)[:16]
+    final = cache_dir / "probes" / digest(inputs)[:16]
     if (final / "probes.json").is_file():
-        return final, {**_read_json(final / "probes.json"), "cached": True}
+        return final, {**read_json(final / "probes.json"), "cached": True}
     heads, tasks, feature_seconds, fit_seconds = {}, {}, 0.0, 0.0
     for task, splits in tasks_encoded.items():
         start = time.perf_counter()
@@ -211,10 +136,10 @@ def _probes_stage(
         "seconds": {"features": feature_seconds, "fit": fit_seconds, "base_eval": eval_seconds},
         "eval_sentences_per_second": eval_sentences / eval_seconds,
     }
-    staging = _staging(final)
+    staging = staging_folder(final)
     save_heads(heads, staging / "heads.safetensors")
-    _write_json(staging / "probes.json", record)
-    _publish(staging, final)
+    write_json(staging / "probes.json", record)
+    publish(staging, final)
     return final, {**record, "cached": False}
 
 
@@ -258,18 +183,18 @@ def _expert(
     hyper: Mapping,
 ) -> dict:
     if (folder / "scores.json").is_file():
-        return {**_read_json(folder / "scores.json"), "cached": True}
+        return {**read_json(folder / "scores.json"), "cached": True}
     start = time.perf_counter()
     trained = track.train(base, tasks_encoded[task]["train"], heads[task], seed, **hyper)
     seconds = time.perf_counter() - start
-    staging = _staging(folder)
+    staging = staging_folder(folder)
     state = track.save(base, trained, staging)
     start = time.perf_counter()
     own = {task: tasks_encoded[task]}  # scored on its own task (the other tasks are the merges' business)
     scores = {split: evaluate(state, own, heads, split, scratch=scratch) for split in EVAL_SPLITS}
     record = {"seconds": {"train": seconds, "eval": time.perf_counter() - start}, **scores}
-    _write_json(staging / "scores.json", record)
-    _publish(staging, folder)
+    write_json(staging / "scores.json", record)
+    publish(staging, folder)
     return {**record, "cached": False}
 
 
@@ -307,19 +232,17 @@ def build_experts(
     say = log or (lambda line: None)
     manifest = manifest if manifest is not None else build_tasks(cache_dir)
     base_dir = Path(model_dir) if model_dir is not None else load_base_model_path()
-    model_files = _model_files(base_dir)
+    files = model_files(base_dir)
     base, tokenizer = load_base(base_dir)
 
-    tokenizer_files = {
-        name: sha for name, sha in model_files.items() if name not in ("config.json", "model.safetensors")
-    }
+    tokenizer_files = {name: sha for name, sha in files.items() if name not in ("config.json", "model.safetensors")}
     tokens_dir, tokens = _tokens_stage(cache_dir, manifest, tokenizer_files, tokenizer)
-    say(f"tokens {tokens_dir} ({_took(tokens['cached'], tokens['seconds'])})")
+    say(f"tokens {tokens_dir} ({took(tokens['cached'], tokens['seconds'])})")
     tasks_encoded = load_encoded(tokens_dir / "encoded.safetensors")
 
-    probes_dir, probes = _probes_stage(cache_dir, tokens_dir, model_files, base, tasks_encoded)
+    probes_dir, probes = _probes_stage(cache_dir, tokens_dir, files, base, tasks_encoded)
     heads = load_heads(probes_dir / "heads.safetensors")
-    say(f"probes {probes_dir} ({_took(probes['cached'], sum(probes['seconds'].values()))})")
+    say(f"probes {probes_dir} ({took(probes['cached'], sum(probes['seconds'].values()))})")
 
     if track not in TRACKS:
         raise ValueError(f"unknown expert track {track!r}; choose one of {', '.join(TRACKS)}")
@@ -344,12 +267,12 @@ def build_experts(
         "hyper": hyper,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "code": _code(*kind.code),
+        "code": code_digest(*kind.code),
         **({"peft": peft.__version__} if track == "lora" else {}),
     }
-    experts_dir = cache_dir / kind.folder / _digest(inputs)[:16]
+    experts_dir = cache_dir / kind.folder / digest(inputs)[:16]
     experts_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(experts_dir / "inputs.json", inputs)
+    write_json(experts_dir / "inputs.json", inputs)
     scratch = copy.deepcopy(base)
     experts, paths = {}, {}
     for seed in seeds:
@@ -359,7 +282,7 @@ def build_experts(
             record = _expert(folder, kind, base, scratch, tasks_encoded, heads, task, seed, hyper)
             experts[seed][task], paths[seed][task] = record, str(folder)
             gap = record["val"][task] - probes["tasks"][task]["val"]
-            timing = _took(record["cached"], record["seconds"]["train"])
+            timing = took(record["cached"], record["seconds"]["train"])
             say(f"expert seed {seed} {task}: val {record['val'][task]:.3f}, {gap:+.3f} over base ({timing})")
 
     summary = {
@@ -377,7 +300,7 @@ def build_experts(
         "cached": {"tokens": tokens["cached"], "probes": probes["cached"]},
         "eval_sentences_per_second": probes["eval_sentences_per_second"],
     }
-    _write_json(experts_dir / f"summary-seeds-{','.join(map(str, seeds))}.json", summary)
+    write_json(experts_dir / f"summary-seeds-{','.join(map(str, seeds))}.json", summary)
     return summary
 
 

@@ -1,4 +1,4 @@
-"""Data stage of the offline accuracy benchmark: eight balanced text-classification tasks from Debian packages.
+"""Data stage of the offline accuracy benchmark: balanced text-classification tasks from Debian packages.
 
 Sources (``fetch_sources``): ``apt-get update`` into a private lists directory, then ``apt-get download`` of
 ``wordnet-base`` (WordNet 3.0) and eight word lists, unpacked with ``dpkg-deb -x``. Nothing is installed and
@@ -66,7 +66,8 @@ its command line, ``__main__.py``), so a rerun with the same inputs does nothing
 rebuilds the tasks. Delete ``sources/`` to fetch newer indexes.
 
 Modules: :mod:`.fetch` (apt, the source record), :mod:`.parse` (WordNet, word lists, deb822 indexes),
-:mod:`.splits` (balanced group-disjoint splits), :mod:`.tasks` (the eight derivations), :mod:`.store`
+:mod:`.splits` (balanced group-disjoint splits), :mod:`.tasks` (the eight derivations), :mod:`.more_tasks`
+(eight more, for the 16-task setting: ``MORE_TASKS``, its docstring states them), :mod:`.store`
 (split files, the cache key, ``build_tasks``); ``python -m specmerge_bench.accuracy.data --cache DIR`` builds
 the tasks and prints a table.
 """
@@ -82,6 +83,7 @@ from specmerge_bench.accuracy.data.fetch import (
     fetch_sources,
     sha256_file,
 )
+from specmerge_bench.accuracy.data.more_tasks import MORE_TASKS, derive_more_tasks
 from specmerge_bench.accuracy.data.parse import (
     LEXNAMES,
     Pointer,
@@ -109,11 +111,13 @@ from specmerge_bench.accuracy.data.tasks import (
     TASKS,
     derive_tasks,
     example_pos,
+    example_text,
     fragment_language,
     gloss_supersense,
     mask_names,
     monosemous_noun_supersense,
     package_section,
+    package_texts,
     word_language,
     word_relation,
 )
@@ -122,6 +126,7 @@ __all__ = [
     "APT_PACKAGES",
     "DESCRIPTION_LANGUAGES",
     "LEXNAMES",
+    "MORE_TASKS",
     "NAME_MASK",
     "POS_NAMES",
     "SPLITS",
@@ -139,14 +144,17 @@ __all__ = [
     "balanced_splits",
     "build_tasks",
     "code_hash",
+    "derive_more_tasks",
     "derive_tasks",
     "example_pos",
+    "example_text",
     "fetch_sources",
     "fragment_language",
     "gloss_supersense",
     "mask_names",
     "monosemous_noun_supersense",
     "package_section",
+    "package_texts",
     "parse_deb822",
     "parse_word_list",
     "parse_wordnet_data",

@@ -10,10 +10,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from specmerge_bench.accuracy.data.fetch import fetch_sources
+from specmerge_bench.accuracy.data.fetch import AccuracyDataError, fetch_sources
+from specmerge_bench.accuracy.data.more_tasks import MORE_TASKS, derive_more_tasks
 from specmerge_bench.accuracy.data.parse import read_sources
 from specmerge_bench.accuracy.data.splits import SplitSizes, TaskSplits
-from specmerge_bench.accuracy.data.tasks import derive_tasks
+from specmerge_bench.accuracy.data.tasks import TASKS, derive_tasks
 
 SPLITS = ("train", "val", "test")
 
@@ -59,10 +60,11 @@ def write_tasks(tasks: Mapping[str, TaskSplits], out_dir: Path) -> dict[str, dic
     return entries
 
 
-def tasks_key(record: Mapping, seed: int, sizes: SplitSizes) -> str:
-    """Cache key of the derived tasks: source hashes, data seed, split sizes and the code that builds them
-    (:func:`code_hash`)."""
+def tasks_key(record: Mapping, seed: int, sizes: SplitSizes, names: Sequence[str] = TASKS) -> str:
+    """Cache key of the derived tasks: source hashes, data seed, split sizes, the task names and the code that
+    builds them (:func:`code_hash`)."""
     inputs = {
+        "tasks": list(names),
         "packages": {name: p["sha256"] for name, p in record["packages"].items()},
         "indexes": record["indexes"],
         "files": record["files"],
@@ -73,8 +75,11 @@ def tasks_key(record: Mapping, seed: int, sizes: SplitSizes) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
-def build_tasks(cache_dir: str | Path, seed: int = 0, sizes: SplitSizes | None = None) -> dict:
-    """Fetch the sources, derive the eight tasks and write them; return the manifest (cached by its inputs).
+def build_tasks(
+    cache_dir: str | Path, seed: int = 0, sizes: SplitSizes | None = None, names: Sequence[str] = TASKS
+) -> dict:
+    """Fetch the sources, derive the tasks of ``names`` (default the eight of ``TASKS``; any of ``TASKS`` and
+    ``MORE_TASKS``) and write them; return the manifest (cached by its inputs).
 
     The manifest (``<cache_dir>/<tasks_dir>/manifest.json``) records ``tasks_dir`` (relative to
     ``cache_dir``), the key, seed and sizes, the source record of ``fetch_sources``, and per task its labels
@@ -83,13 +88,21 @@ def build_tasks(cache_dir: str | Path, seed: int = 0, sizes: SplitSizes | None =
     cache_dir = Path(cache_dir).resolve()
     sizes = sizes or SplitSizes()
     record = fetch_sources(cache_dir)
-    key = tasks_key(record, seed, sizes)
+    unknown = [name for name in names if name not in TASKS + MORE_TASKS]
+    if unknown or not names:
+        raise AccuracyDataError(f"unknown tasks {unknown}; choose from {', '.join(TASKS + MORE_TASKS)}")
+    key = tasks_key(record, seed, sizes, names)
     tasks_dir = Path("tasks") / key[:16]
     manifest_path = cache_dir / tasks_dir / "manifest.json"
     if manifest_path.is_file():
         return json.loads(manifest_path.read_text(encoding="utf-8"))
 
-    tasks = derive_tasks(read_sources(cache_dir, record), seed, sizes)
+    sources = read_sources(cache_dir, record)
+    derived = {
+        **derive_tasks(sources, seed, sizes, [name for name in names if name in TASKS]),
+        **derive_more_tasks(sources, seed, sizes, [name for name in names if name in MORE_TASKS]),
+    }
+    tasks = {name: derived[name] for name in names}
     staging = cache_dir / "tasks" / f".{key[:16]}.{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     manifest = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import re
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from specmerge_bench.accuracy.data.parse import Sources, Synset, split_description
 from specmerge_bench.accuracy.data.splits import SplitSizes, TaskSplits, balanced_splits
@@ -24,11 +24,11 @@ TASKS = (
 )
 
 
-def _lemma(word: str) -> str:
+def lemma_of(word: str) -> str:
     return word.replace("_", " ").lower()
 
 
-def _group(synset: Synset) -> str:
+def group_of(synset: Synset) -> str:
     return f"{synset.key[0]}{synset.offset:08d}"
 
 
@@ -36,7 +36,7 @@ def gloss_supersense(
     synsets: Sequence[Synset], pos: str, seed: int, sizes: SplitSizes, n_classes: int = 12
 ) -> TaskSplits:
     """Definition of a ``pos`` synset -> its lexicographer file (supersense)."""
-    candidates = [(s.definition, s.lexname, _group(s)) for s in synsets if s.pos == pos and s.definition]
+    candidates = [(s.definition, s.lexname, group_of(s)) for s in synsets if s.pos == pos and s.definition]
     return balanced_splits(candidates, n_classes, sizes, random.Random(seed))
 
 
@@ -44,32 +44,35 @@ def monosemous_noun_supersense(
     synsets: Sequence[Synset], seed: int, sizes: SplitSizes, n_classes: int = 12
 ) -> TaskSplits:
     """Lemma with exactly one sense in all of WordNet, that sense a noun -> its lexicographer file."""
-    senses = Counter(lemma for s in synsets for lemma in {_lemma(w) for w in s.words})
+    senses = Counter(lemma for s in synsets for lemma in {lemma_of(w) for w in s.words})
     candidates = [
-        (lemma, s.lexname, _group(s))
+        (lemma, s.lexname, group_of(s))
         for s in synsets
         if s.pos == "n"
-        for lemma in sorted({_lemma(w) for w in s.words})
+        for lemma in sorted({lemma_of(w) for w in s.words})
         if senses[lemma] == 1
     ]
     return balanced_splits(candidates, n_classes, sizes, random.Random(seed))
 
 
-def _lemma_in(words: Sequence[str], sentence: str) -> str:
+def example_lemma(words: Sequence[str], sentence: str) -> str:
     """The first word whose form starts a word of ``sentence`` (case-insensitive), else the first word."""
     lowered = sentence.lower()
     for word in words:
-        if re.search(r"\b" + re.escape(_lemma(word)), lowered):
-            return _lemma(word)
-    return _lemma(words[0])
+        if re.search(r"\b" + re.escape(lemma_of(word)), lowered):
+            return lemma_of(word)
+    return lemma_of(words[0])
+
+
+def example_text(words: Sequence[str], example: str) -> str:
+    """``"lemma: example sentence"``, the lemma chosen by ``example_lemma``."""
+    return f"{example_lemma(words, example)}: {example}"
 
 
 def example_pos(synsets: Sequence[Synset], seed: int, sizes: SplitSizes, n_classes: int = 4) -> TaskSplits:
     """``"lemma: example sentence"`` -> part of speech of the lemma's synset (noun, verb, adjective, adverb)."""
     candidates = [
-        (f"{_lemma_in(s.words, example)}: {example}", POS_NAMES[s.pos], _group(s))
-        for s in synsets
-        for example in s.examples
+        (example_text(s.words, example), POS_NAMES[s.pos], group_of(s)) for s in synsets for example in s.examples
     ]
     return balanced_splits(candidates, n_classes, sizes, random.Random(seed))
 
@@ -80,7 +83,7 @@ def word_relation(synsets: Sequence[Synset], seed: int, sizes: SplitSizes, n_cla
     by_key = {s.key: s for s in synsets}
     related: set[tuple[str, str, str]] = set()
     for s in synsets:
-        distinct = list(dict.fromkeys(_lemma(w) for w in s.words))
+        distinct = list(dict.fromkeys(lemma_of(w) for w in s.words))
         if len(distinct) >= 2:
             related.add((distinct[0], distinct[1], "synonym"))
         for p in s.pointers:
@@ -90,16 +93,16 @@ def word_relation(synsets: Sequence[Synset], seed: int, sizes: SplitSizes, n_cla
             if p.symbol == "!":
                 w1 = s.words[p.source - 1] if p.source else s.words[0]
                 w2 = target.words[p.target - 1] if p.target else target.words[0]
-                related.add((_lemma(w1), _lemma(w2), "antonym"))
+                related.add((lemma_of(w1), lemma_of(w2), "antonym"))
             elif p.symbol in ("@", "#p"):
                 relation = "hypernym" if p.symbol == "@" else "part-of"
-                related.add((_lemma(s.words[0]), _lemma(target.words[0]), relation))
+                related.add((lemma_of(s.words[0]), lemma_of(target.words[0]), relation))
     pairs = sorted(pair for pair in related if pair[0] != pair[1])
 
     senses: dict[str, set[tuple[str, int]]] = defaultdict(set)
     for s in synsets:
         for word in s.words:
-            senses[_lemma(word)].add(s.key)
+            senses[lemma_of(word)].add(s.key)
     linked = {(s.key, (p.pos, p.offset)) for s in synsets for p in s.pointers}
     linked |= {(b, a) for a, b in linked}
     seconds = [w2 for _, w2, _ in pairs]
@@ -187,6 +190,25 @@ def mask_names(text: str, names: Iterable[str]) -> str:
     return text
 
 
+def package_texts(
+    packages: Sequence[Mapping[str, str]], english: Sequence[Mapping[str, str]], required: Sequence[str] = ()
+) -> Iterator[tuple[Mapping[str, str], str, str]]:
+    """(stanza, English ``"short. long"`` description with the package and source names masked, source package)
+    per binary package: its first stanza (by name, then version) that has a description and every ``required``
+    field."""
+    descriptions = {stanza["Description-md5"]: stanza["Description-en"] for stanza in english}
+    seen = set()
+    for stanza in sorted(packages, key=lambda s: (s["Package"], s.get("Version", ""))):
+        name = stanza["Package"]
+        description = descriptions.get(stanza.get("Description-md5", ""))
+        if name in seen or any(field not in stanza for field in required) or not description:
+            continue
+        seen.add(name)
+        short, long = split_description(description)
+        source = stanza.get("Source", name).split()[0]
+        yield stanza, mask_names(f"{short}. {long}" if long else short, (name, source)), source
+
+
 def package_section(
     packages: Sequence[Mapping[str, str]],
     english: Sequence[Mapping[str, str]],
@@ -195,33 +217,27 @@ def package_section(
     n_classes: int = 10,
 ) -> TaskSplits:
     """English package description with its names masked -> Debian section (component prefix dropped)."""
-    descriptions = {stanza["Description-md5"]: stanza["Description-en"] for stanza in english}
-    candidates = []
-    seen = set()
-    for stanza in sorted(packages, key=lambda s: (s["Package"], s.get("Version", ""))):
-        name = stanza["Package"]
-        description = descriptions.get(stanza.get("Description-md5", ""))
-        if name in seen or "Section" not in stanza or not description:
-            continue
-        seen.add(name)
-        short, long = split_description(description)
-        source = stanza.get("Source", name).split()[0]
-        text = mask_names(f"{short}. {long}" if long else short, (name, source))
-        candidates.append((text, stanza["Section"].rsplit("/", 1)[-1], source))
+    candidates = [
+        (text, stanza["Section"].rsplit("/", 1)[-1], source)
+        for stanza, text, source in package_texts(packages, english, required=("Section",))
+    ]
     return balanced_splits(candidates, n_classes, sizes, random.Random(seed))
 
 
-def derive_tasks(sources: Sources, seed: int = 0, sizes: SplitSizes | None = None) -> dict[str, TaskSplits]:
-    """All eight tasks (``TASKS`` order) from parsed sources."""
+def derive_tasks(
+    sources: Sources, seed: int = 0, sizes: SplitSizes | None = None, names: Sequence[str] = TASKS
+) -> dict[str, TaskSplits]:
+    """The tasks of ``names`` (default: all eight, ``TASKS`` order) from parsed sources, in that order."""
     sizes = sizes or SplitSizes()
-    tasks = {
-        "noun_gloss_supersense": gloss_supersense(sources.synsets, "n", seed, sizes),
-        "verb_gloss_supersense": gloss_supersense(sources.synsets, "v", seed, sizes),
-        "monosemous_noun_supersense": monosemous_noun_supersense(sources.synsets, seed, sizes),
-        "example_pos": example_pos(sources.synsets, seed, sizes),
-        "word_relation": word_relation(sources.synsets, seed, sizes),
-        "word_language": word_language(sources.word_lists, seed, sizes),
-        "fragment_language": fragment_language(sources.translations, seed, sizes),
-        "package_section": package_section(sources.packages, sources.translations.get("en", []), seed, sizes),
+    english = sources.translations.get("en", [])
+    derivations = {
+        "noun_gloss_supersense": lambda: gloss_supersense(sources.synsets, "n", seed, sizes),
+        "verb_gloss_supersense": lambda: gloss_supersense(sources.synsets, "v", seed, sizes),
+        "monosemous_noun_supersense": lambda: monosemous_noun_supersense(sources.synsets, seed, sizes),
+        "example_pos": lambda: example_pos(sources.synsets, seed, sizes),
+        "word_relation": lambda: word_relation(sources.synsets, seed, sizes),
+        "word_language": lambda: word_language(sources.word_lists, seed, sizes),
+        "fragment_language": lambda: fragment_language(sources.translations, seed, sizes),
+        "package_section": lambda: package_section(sources.packages, english, seed, sizes),
     }
-    return {name: tasks[name] for name in TASKS}
+    return {name: derivations[name]() for name in names}
