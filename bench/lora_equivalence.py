@@ -46,6 +46,12 @@ METHODS = [
 LAYER = "encoder.layer.5.output.dense.weight"
 
 
+def fail(message: str) -> None:
+    """One line on stderr, exit status 2."""
+    print(f"lora_equivalence.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def find_adapters(cache: Path, seed: int) -> list[Path]:
     """The adapter folders of ``seed`` in the newest LoRA experts key that has any; a one-line error if none."""
     keys = sorted((cache / "lora-experts").glob(f"*/seed{seed}"), key=lambda p: p.stat().st_mtime)
@@ -53,10 +59,11 @@ def find_adapters(cache: Path, seed: int) -> list[Path]:
         adapters = sorted(p for p in folder.iterdir() if (p / "adapter_model.safetensors").is_file())
         if adapters:
             return adapters
-    raise SystemExit(
-        f"lora_equivalence.py: error: {cache} holds no LoRA experts of seed {seed} (lora-experts/*/seed{seed}/); "
+    fail(
+        f"{cache} holds no LoRA experts of seed {seed} (lora-experts/*/seed{seed}/); "
         "build them with: specmerge-bench accuracy --cache DIR --track lora"
     )
+    return []
 
 
 def merge_and_unload_float64(base_model, adapter: Path, out: Path) -> Path:
@@ -83,12 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all", action="store_true", help="compare every merged tensor instead of one layer")
     args = parser.parse_args(argv)
     if not args.cache.is_dir():
-        parser.error(f"--cache {args.cache} is not a folder")
+        fail(f"--cache {args.cache} is not a folder")
     adapters = find_adapters(args.cache, args.seed)
     base_dir = load_base_model_path()
     base_model, _ = load_base(base_dir)
     if not args.all and args.layer not in base_model.state_dict():
-        parser.error(f"--layer {args.layer} is not a tensor of the base model")
+        fail(f"--layer {args.layer} is not a tensor of the base model")
     compared = "every merged tensor" if args.all else args.layer
     print(f"{len(adapters)} adapters of seed {args.seed} in {adapters[0].parent}; compared: {compared}")
     failed = 0

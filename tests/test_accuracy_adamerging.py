@@ -9,8 +9,7 @@ import torch
 import transformers
 
 from specmerge.tuning.adamerge import entropy_sum
-from specmerge_bench.accuracy import adamerging, bench, rows
-from specmerge_bench.accuracy import experts as accuracy_experts
+from specmerge_bench.accuracy import adamerging, bench, cache_files, rows
 from specmerge_bench.accuracy import model as accuracy_model
 from specmerge_bench.accuracy.model import Head, multitask_logits
 from test_accuracy_model import tiny_model_dir, world  # noqa: F401  (fixtures)
@@ -109,18 +108,42 @@ def guarded(function):
     return run
 
 
-def test_adamerging_rows_never_read_a_test_label(world, tiny_model_dir, monkeypatch):  # noqa: F811
-    small = rows.method_rows(grids={"swudi": {"rank_ratio": (0.5,), "t": (300.0, 1300.0)}})
-    monkeypatch.setattr(bench, "method_rows", lambda: [r for r in small if r.label in ("swudi", "swudi_a_psqrt")])
-    monkeypatch.setattr(rows, "WUDI_STEPS", (2,))
-    monkeypatch.setattr(bench, "SCALES", (0.3, 1.0))
-    load_encoded = accuracy_experts.load_encoded
+def guard_test_labels(monkeypatch) -> None:
+    """Scoring loads every test split with guarded labels (``GuardedSplit``)."""
+    load_encoded = cache_files.load_encoded
 
     def load_guarded(path):
         encoded = load_encoded(path)
         return {task: {**splits, "test": GuardedSplit(splits["test"])} for task, splits in encoded.items()}
 
-    monkeypatch.setattr(accuracy_experts, "load_encoded", load_guarded)
+    monkeypatch.setattr(cache_files, "load_encoded", load_guarded)
+
+
+@pytest.mark.parametrize("track", ["full", "lora"])
+def test_selection_on_val_never_reads_a_test_label(world, tiny_model_dir, monkeypatch, track):  # noqa: F811
+    """Every choice of a row (candidate and scale, best mean val accuracy) is made with the test labels guarded;
+    only the chosen setting's test scoring reads them."""
+    small = rows.method_rows(grids={"swudi": {"rank_ratio": (0.5,), "t": (300.0, 1300.0)}})
+    monkeypatch.setattr(bench, "method_rows", lambda: [r for r in small if r.label in ("tsv_m", "swudi", "ties")])
+    monkeypatch.setattr(rows, "WUDI_STEPS", (2,))
+    monkeypatch.setattr(bench, "SCALES", (0.3, 1.0))
+    guard_test_labels(monkeypatch)
+    chosen = []
+    best = guarded(bench.best_on_val)
+    monkeypatch.setattr(bench, "best_on_val", lambda *a, **k: chosen.append(1) or best(*a, **k))
+    run = {"model_dir": tiny_model_dir, "manifest": world["manifest"], "steps": 5, "progress": False}
+    Guard.reads = 0
+    summary, _ = bench.run_benchmark(world["cache"], (0,), adamerging=None, log=lambda line: None, track=track, **run)
+    assert chosen and Guard.reads > 0  # choices were made guarded; the chosen settings' test scoring read labels
+    assert {"tsv_m", "swudi", "ties"} <= set(summary["rows"])
+
+
+def test_adamerging_rows_never_read_a_test_label(world, tiny_model_dir, monkeypatch):  # noqa: F811
+    small = rows.method_rows(grids={"swudi": {"rank_ratio": (0.5,), "t": (300.0, 1300.0)}})
+    monkeypatch.setattr(bench, "method_rows", lambda: [r for r in small if r.label in ("swudi", "swudi_a_psqrt")])
+    monkeypatch.setattr(rows, "WUDI_STEPS", (2,))
+    monkeypatch.setattr(bench, "SCALES", (0.3, 1.0))
+    guard_test_labels(monkeypatch)
     # the guard is on from the moment the stage gets its inputs until it returns the adapted model
     monkeypatch.setattr(accuracy_model, "unlabeled_inputs", guarded(accuracy_model.unlabeled_inputs))
     monkeypatch.setattr(adamerging.AdaMergingStage, "__init__", guarded(adamerging.AdaMergingStage.__init__))

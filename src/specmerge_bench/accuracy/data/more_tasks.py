@@ -128,11 +128,7 @@ def package_multi_arch(
 
 
 def package_maintainer_team(
-    packages: Sequence[Mapping[str, str]],
-    english: Sequence[Mapping[str, str]],
-    seed: int,
-    sizes: SplitSizes,
-    n_classes: int = 10,
+    packages: Sequence[Mapping[str, str]], english: Sequence[Mapping[str, str]], seed: int, sizes: SplitSizes
 ) -> TaskSplits:
     """Package description -> the packaging team that maintains it."""
     candidates = []
@@ -140,7 +136,7 @@ def package_maintainer_team(
         team = stanza.get("Maintainer", "").split("<")[0].strip()
         if _TEAM.search(team):
             candidates.append((text, team, source))
-    return balanced_splits(candidates, n_classes, sizes, random.Random(seed))
+    return balanced_splits(candidates, 10, sizes, random.Random(seed))
 
 
 def package_architecture(
