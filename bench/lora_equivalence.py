@@ -66,13 +66,15 @@ def find_adapters(cache: Path, seed: int) -> list[Path]:
     return []
 
 
-def merge_and_unload_float64(base_model, adapter: Path, out: Path) -> Path:
-    """The adapter's merge_and_unload weights in float64, saved as a model folder."""
+def merge_and_unload_float64(base_model, base_dir: Path, adapter: Path, out: Path) -> Path:
+    """The adapter's merge_and_unload weights in float64, saved as a model folder; the base file's tensors the
+    encoder does not hold (its pooler) are copied as they are."""
     double = base_model.__class__(base_model.config, add_pooling_layer=False)
     double.load_state_dict(base_model.state_dict())
     merged = peft.PeftModel.from_pretrained(double.double(), str(adapter)).merge_and_unload()
+    state = {**safetensors.torch.load_file(base_dir / "model.safetensors"), **merged.state_dict()}
     out.mkdir(parents=True)
-    safetensors.torch.save_file({k: v.contiguous() for k, v in merged.state_dict().items()}, out / "model.safetensors")
+    safetensors.torch.save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors")
     merged.config.to_json_file(out / "config.json")
     return out
 
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     with tempfile.TemporaryDirectory(prefix="lora-equivalence-") as work:
         work = Path(work)
-        dense = [merge_and_unload_float64(base_model, a, work / "dense" / a.name) for a in adapters]
+        dense = [merge_and_unload_float64(base_model, Path(base_dir), a, work / "dense" / a.name) for a in adapters]
         for i, (method, params) in enumerate(METHODS):
             options = {
                 "method": method,
