@@ -11,7 +11,6 @@ partial eigensolver for only the K kept eigenvectors; the filtered solve.
 from __future__ import annotations
 
 import functools
-import time
 
 import numpy as np
 import scipy.linalg
@@ -22,18 +21,10 @@ from specmerge.linalg.quadratic import initial_point, nonzero_experts, normal_eq
 from specmerge.linalg.solve import filtered_solve
 from specmerge.linalg.spectrum import choose_rank, decompose
 from specmerge_bench.inputs import Parser
+from specmerge_bench.speed import best_seconds as best
 from specmerge_bench.speed import synthetic_stack
 
 SHAPES = [(768, 768), (3072, 768), (768, 3072)]
-
-
-def best(fn, repeats: int) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), out
 
 
 def normal_equation_and_C(stack: torch.Tensor):

@@ -62,10 +62,26 @@ def test_counts_follow_the_code_paths():
         ops = decompose_ops(n, d_out, d_in, 8)
         assert (ops.eigh == (d_in,)) == (not spectrum.accurate)
         assert bool(ops.qr) == spectrum.accurate and bool(ops.svd) == spectrum.accurate
-    # by hand: per expert (tau tau^T) tau is 2 d_out^2 d_in twice; A_i and tau A_i are 2 d_out d_in^2 each
-    assert normal_equation_ops(2, 8, 12, 4).matmul == 2 * 4 * 8 * 8 * 12
-    assert normal_equation_ops(2, 12, 8, 4).matmul == 2 * 4 * 12 * 8 * 8
-    assert decompose_ops(2, 8, 12, 4).matmul == 2 * 2 * 8 * 12 * 12  # C formed for eigh (d_out < d_in)
+    # by hand: per expert the Gram tau tau^T is d_out^2 d_in (a symmetric update), times tau 2 d_out^2 d_in; A_i is
+    # d_out d_in^2, tau A_i 2 d_out d_in^2
+    assert normal_equation_ops(2, 8, 12, 4).matmul == 2 * 3 * 8 * 8 * 12
+    assert normal_equation_ops(2, 12, 8, 4).matmul == 2 * 3 * 12 * 8 * 8
+    assert decompose_ops(2, 8, 12, 4).matmul == 2 * 8 * 12 * 12  # C formed for eigh (d_out < d_in), symmetric updates
+
+
+def test_a_top_k_filter_is_priced_on_the_partial_route_where_it_takes_it(monkeypatch):
+    from specmerge.linalg import eigensolver
+
+    monkeypatch.setattr(eigensolver, "PARTIAL_MIN_SIZE", 8)
+    full, top = decompose_ops(4, 64, 48, 4), decompose_ops(4, 64, 48, 4, top_k=5)
+    assert full.eigh == (48,) and not full.partial_eigh
+    assert top.partial_eigh == ((48, 5),) and not top.eigh
+    assert decompose_ops(4, 64, 48, 4, top_k=47).eigh == (48,)  # past the crossover: eigh, as the merge does
+    assert decompose_ops(4, 64, 48, 4, top_k=47, rule=True).partial_eigh == ((48, 47),)  # a rule's K: partial
+    rates = given()
+    assert price(top, rates) < price(full, rates)
+    monkeypatch.setattr(eigensolver, "PARTIAL_MIN_SIZE", 1024)
+    assert decompose_ops(4, 64, 48, 4, top_k=5).eigh == (48,)  # small layers keep eigh
 
 
 @pytest.mark.parametrize("name", ["swudi_a", "swudi", "closed_form", "tsv_m", "iso_c", "wudi", "optmerge", "ties"])

@@ -101,10 +101,21 @@ def test_cores_reproduce_the_experts():
     torch.testing.assert_close(P.T @ P, torch.eye(P.shape[1], dtype=torch.float64))
 
 
+@pytest.fixture(params=["eigh", "partial"])
+def route(request, monkeypatch):
+    """The top-K settings on eigh as on these small layers, or on the partial eigensolver (issue 23; its size floor
+    lowered), on the dense stack and on the cores alike."""
+    if request.param == "partial":
+        from specmerge.linalg import eigensolver
+
+        monkeypatch.setattr(eigensolver, "PARTIAL_MIN_SIZE", 8)
+    return request.param
+
+
 @pytest.mark.parametrize(("n", "r", "d_out", "d_in", "rslora"), CASES)
 @pytest.mark.parametrize(("method", "params"), SPECTRAL)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_factored_equals_dense(n, r, d_out, d_in, rslora, method, params, dtype):
+def test_factored_equals_dense(n, r, d_out, d_in, rslora, method, params, dtype, route):
     experts = adapters(n, r, d_out, d_in, rslora, dtype)
     dense_stack = torch.stack([e.dense() for e in experts])
     dense = get_method(method)(dense_stack, **params)

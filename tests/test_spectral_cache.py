@@ -45,14 +45,27 @@ def stack(n: int, d_out: int, d_in: int, seed: int, noise: float = 1e-3) -> torc
     return torch.stack([0.02 * (shared + o) + noise * torch.randn(d_out, d_in, generator=g) for o in own])
 
 
-def cached(tmp_path: Path, tv: torch.Tensor, starts, *, accurate: bool = False):
+def cached(tmp_path: Path, tv: torch.Tensor, starts, *, accurate: bool = False, partial: bool = False):
     cache = SpectralCache(tmp_path / "cache")
     layer = FreshLayer(tv)
     files, meta = entry_files(layer, starts)
     cache.write("ab" * 32, files, meta)
     if accurate:
         cache.write("ab" * 32, *entry_files(layer, starts, accurate=True))
+    if partial:
+        cache.write("ab" * 32, *entry_files(layer, starts, partial=True))
     return cache.layer("ab" * 32, torch.device("cpu"))
+
+
+@pytest.fixture(params=["eigh", "partial"])
+def route(request, monkeypatch):
+    """Top-K settings on eigh(C) as always on small layers, or on the partial eigensolver (its size floor lowered
+    so these small layers take it: the reduction, K vectors by MRRR or all by divide and conquer)."""
+    if request.param == "partial":
+        from specmerge.linalg import eigensolver
+
+        monkeypatch.setattr(eigensolver, "PARTIAL_MIN_SIZE", 8)
+    return request.param
 
 
 def settings():
@@ -75,11 +88,12 @@ SHAPES = {"tall": (3, 40, 24, 1e-3), "square": (4, 32, 32, 1e-3), "wide": (2, 8,
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_every_spectral_setting_of_the_papers_grids_is_bit_for_bit_a_fresh_merge(tmp_path, shape):
+def test_every_spectral_setting_of_the_papers_grids_is_bit_for_bit_a_fresh_merge(tmp_path, shape, route):
     n, d_out, d_in, noise = SHAPES[shape]
     tv = stack(n, d_out, d_in, seed=len(shape), noise=noise)
-    plain, uses_svd = cached(tmp_path / "plain", tv, ["sum", "mean", "zero"]), []
-    layer = cached(tmp_path, tv, ["sum", "mean", "zero"], accurate=True)
+    partial = route == "partial"
+    plain, uses_svd = cached(tmp_path / "plain", tv, ["sum", "mean", "zero"], partial=partial), []
+    layer = cached(tmp_path, tv, ["sum", "mean", "zero"], accurate=True, partial=partial)
     checked = 0
     for name, params in settings():
         method = get_method(name)
@@ -94,6 +108,10 @@ def test_every_spectral_setting_of_the_papers_grids_is_bit_for_bit_a_fresh_merge
             uses_svd.append(name)
     assert checked == 180 + 15 + 3 * 7
     assert bool(uses_svd) == (shape == "deficient"), uses_svd
+    if partial and shape != "wide":  # the eigh(C) route: SWUDI-A's spectrum is the partial one, stored as such
+        swudi_a = get_method("swudi_a")
+        assert swudi_a.fn(layer, **swudi_a.validate({}, n)).diagnostics == swudi_a(tv).diagnostics
+        assert layer.projection("sum", partial=True).spectrum.partial
 
 
 def test_a_start_or_spectrum_not_stored_is_a_miss_not_a_wrong_answer(tmp_path):
@@ -197,9 +215,10 @@ def test_settings_sharing_their_products_match_fresh_merges_to_float_rounding(tm
     Q, P = p.spectrum.vectors, p.held
     small, large = torch.arange(4), torch.arange(7)
     gains = torch.linspace(1.0, 2.0, 7)
-    first = shared_update(q, small, gains[:4], P[:, :4], Q[:, :4])
-    second = shared_update(q, large, gains, P[:, :7], Q[:, :7])  # builds on the first: the last 3 directions added
+    m = Q.shape[1]  # every product from the one set of eigenvectors of a full spectrum
+    first = shared_update(q, small, gains[:4], P[:, :4], Q[:, :4], m)
+    second = shared_update(q, large, gains, P[:, :7], Q[:, :7], m)  # builds on the first: the last 3 directions added
     assert torch.equal(first, (P[:, :4] * gains[:4]) @ Q[:, :4].T)
     assert torch.allclose(second, (P[:, :7] * gains) @ Q[:, :7].T, rtol=0, atol=1e-6 * float(second.abs().max()))
-    third = shared_update(q, large, 2 * gains, P[:, :7], Q[:, :7])  # other gains: nothing to build on, one product
+    third = shared_update(q, large, 2 * gains, P[:, :7], Q[:, :7], m)  # other gains: nothing to build on, one product
     assert torch.equal(third, (P[:, :7] * (2 * gains)) @ Q[:, :7].T)

@@ -144,6 +144,16 @@ def _run(entry: Entry, stack: torch.Tensor, steps: int | None = None) -> dict:
     return get_method(entry.method)(stack, **params).diagnostics
 
 
+def best_seconds(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """(the shortest wall time of ``repeats`` calls of ``fn`` on the CPU, the last call's result)."""
+    times, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return min(times), out
+
+
 def median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device, warm_up: bool = True) -> float:
     """Median wall time of ``repeats`` calls of ``fn`` (after one untimed warm-up call)."""
     if warm_up:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from specmerge.linalg.quadratic import NormalEquation
-from specmerge.linalg.spectrum import Spectrum
+from specmerge.linalg.spectrum import Spectrum, prefix
 
 BLOCK_COLUMNS = 512  # B Q is formed in blocks of this many columns, each the same product wherever it is asked for
 
@@ -22,7 +22,9 @@ class Projection:
     ||tau_init||_F (for the rounding test) and the columns B q_k. Fresh (``residual`` = B), the columns are formed
     in fixed blocks of BLOCK_COLUMNS when first asked for, each block one product ``B @ Q[:, block]``; held (from a
     spectral cache), all of them come as stored. Block k is the same product whether one merge asks for it or a
-    cache stores every block, so a setting re-synthesized from a cache gets the same bits as a fresh merge.
+    cache stores every block, so a setting re-synthesized from a cache gets the same bits as a fresh merge. Of a
+    partial spectrum, Q is the set of eigenvectors ``spectrum.basis`` computes for the directions asked for, and a
+    spectral cache keeps B itself (the residual) rather than B Q: the blocks are then the same products there too.
     """
 
     def __init__(
@@ -39,10 +41,11 @@ class Projection:
             raise ValueError("a Projection holds either the residual B or all columns B Q")
         self.spectrum, self.start, self.d_norm, self.start_norm = spectrum, start, d_norm, start_norm
         self.residual, self.held = residual, held
-        self._blocks: dict[int, torch.Tensor] = {}
+        self._blocks: dict[tuple[int, int], torch.Tensor] = {}
         # products of earlier solves, for settings that keep a superset of their directions at the same gains
         # (SWUDI at a larger r); None: every solve is one whole product, the same bits as any other merge
-        self.shared: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        # (and, for a partial spectrum, from the same set of eigenvectors: see shared_update)
+        self.shared: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] | None = None
 
     @property
     def rows(self) -> torch.Tensor:
@@ -50,32 +53,36 @@ class Projection:
         return self.residual if self.residual is not None else self.held
 
     def columns(self, index: torch.Tensor) -> torch.Tensor:
-        """B q_k for the columns ``index`` (ascending) of ``spectrum.vectors``."""
+        """B q_k for the directions ``index`` (ascending), q_k from ``spectrum.columns(index)``."""
         if self.held is not None:
             return self.held[:, index]
+        count, _ = self.spectrum.basis(prefix(index))
         needed = sorted({int(b) for b in (index // BLOCK_COLUMNS).tolist()})
-        offsets = torch.zeros(self._n_blocks, dtype=torch.long)
+        offsets = torch.zeros(-(-count // BLOCK_COLUMNS), dtype=torch.long)
         for position, block in enumerate(needed):
             offsets[block] = position * BLOCK_COLUMNS
-        gathered = torch.cat([self._block(block) for block in needed], dim=1)
+        gathered = torch.cat([self._block(count, block) for block in needed], dim=1)
         cpu_index = index.cpu()
         return gathered[:, (offsets[cpu_index // BLOCK_COLUMNS] + cpu_index % BLOCK_COLUMNS).to(index.device)]
 
     def all_columns(self) -> torch.Tensor:
-        """B Q for every column of ``spectrum.vectors`` (what a spectral cache stores)."""
+        """B Q for every direction with an eigenvector (what a spectral cache stores of a full spectrum)."""
         if self.held is not None:
             return self.held
-        return torch.cat([self._block(block) for block in range(self._n_blocks)], dim=1)
+        count, _ = self.spectrum.basis(self.spectrum.n_vectors)
+        return torch.cat([self._block(count, block) for block in range(-(-count // BLOCK_COLUMNS))], dim=1)
 
-    @property
-    def _n_blocks(self) -> int:
-        return -(-self.spectrum.vectors.shape[1] // BLOCK_COLUMNS)
-
-    def _block(self, block: int) -> torch.Tensor:
-        if block not in self._blocks:
-            Q = self.spectrum.vectors
-            self._blocks[block] = self.residual @ Q[:, block * BLOCK_COLUMNS : (block + 1) * BLOCK_COLUMNS]
-        return self._blocks[block]
+    def _block(self, count: int, block: int) -> torch.Tensor:
+        """B Q[:, block] for the ``count`` eigenvectors of ``spectrum.basis``; a partial spectrum's blocks are kept
+        for the sets of vectors it keeps."""
+        if (count, block) not in self._blocks:
+            Q = self.spectrum.basis(count)[1]
+            self._blocks[count, block] = self.residual @ Q[:, block * BLOCK_COLUMNS : (block + 1) * BLOCK_COLUMNS]
+            if self.spectrum.partial:
+                kept = set(self.spectrum.kept_bases())
+                for old in [key for key in self._blocks if key[0] not in kept]:
+                    del self._blocks[old]
+        return self._blocks[count, block]
 
 
 def projection(eq: NormalEquation, spectrum: Spectrum, tau_init: torch.Tensor | None) -> Projection:
@@ -94,19 +101,23 @@ SHARED_KEPT = 6  # earlier products a Projection keeps for reuse
 
 
 def shared_update(
-    p: Projection, index: torch.Tensor, inverse: torch.Tensor, projected: torch.Tensor, Q: torch.Tensor
+    p: Projection, index: torch.Tensor, inverse: torch.Tensor, projected: torch.Tensor, Q: torch.Tensor, basis: int
 ) -> torch.Tensor:
     """(projected * inverse) @ Q.T, from the largest earlier product whose directions are a subset of these, kept at
     the same gains, plus the product of the directions it lacks. Another order of the same sum: equal to the whole
-    product to float32 rounding (a few eps relative), not bit for bit."""
-    m = p.spectrum.vectors.shape[1]
+    product to float32 rounding (a few eps relative), not bit for bit.
+
+    ``basis``: the count of the set of eigenvectors Q comes from (``spectrum.basis``). Only products of the same set
+    are combined: two sets of a partial spectrum (computed for two K) may rotate the vectors of a cluster of
+    eigenvalues differently, and a sum over both would count part of the cluster twice."""
+    m = p.spectrum.n_vectors
     mask = torch.zeros(m, dtype=torch.bool, device=index.device)
     mask[index] = True
     full = torch.zeros(m, dtype=inverse.dtype, device=inverse.device)
     full[index] = inverse
     best: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    for old_mask, old_gains, old_update in p.shared or ():
-        if bool((old_mask & ~mask).any()) or not torch.equal(old_gains[old_mask], full[old_mask]):
+    for old_mask, old_gains, old_update, old_basis in p.shared or ():
+        if old_basis != basis or bool((old_mask & ~mask).any()) or not torch.equal(old_gains[old_mask], full[old_mask]):
             continue
         if best is None or int(old_mask.sum()) > int(best[0].sum()):
             best = (old_mask, old_gains, old_update)
@@ -115,6 +126,6 @@ def shared_update(
     else:
         pick = (mask & ~best[0])[index]  # this solve's directions the earlier product lacks
         update = best[2] + (projected[:, pick] * inverse[pick]) @ Q[:, pick].T
-    p.shared.append((mask, full, update))
+    p.shared.append((mask, full, update, basis))
     del p.shared[:-SHARED_KEPT]
     return update

@@ -15,6 +15,8 @@ from typing import Literal
 
 import torch
 
+from specmerge.linalg.gram import gram_sum
+
 TauInit = Literal["sum", "mean", "zero"]
 
 
@@ -95,11 +97,8 @@ class NormalEquation:
     def C(self) -> torch.Tensor:
         if self.proxies is not None:
             return self.M.T @ self.M
-        # sum_i tau_i^T tau_i / n_i, one expert at a time: no (N d_out) x d_in copy of the stack
-        C = self.tau.new_zeros(self.d_in, self.d_in)
-        for tau_i, n_i in zip(self.tau, self.norms_sq, strict=True):
-            C.addmm_(tau_i.T, tau_i, alpha=1 / float(n_i))
-        return C
+        # sum_i tau_i^T tau_i / n_i, one expert at a time (no (N d_out) x d_in copy of the stack), by symmetric updates
+        return gram_sum(((t, 1 / float(n)) for t, n in zip(self.tau, self.norms_sq, strict=True)), self.d_in, self.tau)
 
     @property
     def has_C(self) -> bool:
@@ -143,9 +142,9 @@ def normal_equation(task_vectors: torch.Tensor) -> NormalEquation:
     C = task_vectors.new_zeros(d_in, d_in) if d_out >= d_in else None
     for tau_i, n_i in zip(tau, norms_sq, strict=True):
         if C is None:
-            D += (tau_i @ tau_i.T) @ tau_i / n_i
+            D += gram_sum([(tau_i.T, 1.0)], d_out, tau_i) @ tau_i / n_i
         else:
-            A_i = tau_i.T @ tau_i / n_i
+            A_i = gram_sum([(tau_i, 1 / float(n_i))], d_in, tau_i)
             C += A_i
             D += tau_i @ A_i
     eq = NormalEquation(tau, norms_sq, D)

@@ -14,14 +14,15 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
+from specmerge.linalg import eigensolver
 from specmerge.linalg.filters import Filter
 from specmerge.linalg.projection import Projection, projection, shared_update
 from specmerge.linalg.quadratic import NormalEquation, TauInit, initial_point, normal_equation
-from specmerge.linalg.spectrum import Spectrum, decompose, directions
+from specmerge.linalg.spectrum import Spectrum, decompose, directions, prefix
 
 
 def _gains_and_dropped(spectrum: Spectrum, filt: Filter) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,10 +80,11 @@ def solve(p: Projection, gains: Filter | torch.Tensor) -> torch.Tensor:
         inverse[:rank] = gains[:rank] / spectrum.eigenvalues[:rank]
     active = inverse != 0
     if not bool(active.any()):
-        shape = (p.rows.shape[0], spectrum.vectors.shape[0])
+        shape = (p.rows.shape[0], spectrum.vector_length)
         return p.rows.new_zeros(shape) if p.start is None else p.start.clone()
-    Q, lam, inverse = spectrum.vectors[:, active], lam[active], inverse[active]
     index = active.nonzero().squeeze(1)
+    basis = spectrum.basis(prefix(index))[0]  # the set of eigenvectors Q and the projections come from
+    Q, lam, inverse = spectrum.columns(index), lam[active], inverse[active]
     projected = p.columns(index)
     if isinstance(gains, Filter):
         informative = projected.norm(dim=0) > _rounding_level(p, lam, inverse, projected)
@@ -94,7 +96,7 @@ def solve(p: Projection, gains: Filter | torch.Tensor) -> torch.Tensor:
                 index[informative],
             )
     shared = p.shared is not None
-    update = shared_update(p, index, inverse, projected, Q) if shared else (projected * inverse) @ Q.T
+    update = shared_update(p, index, inverse, projected, Q, basis) if shared else (projected * inverse) @ Q.T
     return update if p.start is None else p.start + update
 
 
@@ -146,6 +148,15 @@ class ProjectionMissing(LookupError):
     """Stored projections lack what a setting asks for (another start, or the SVD spectrum): merge from the stack."""
 
 
+Kept = Callable[[int], int] | Literal["rule"] | None  # what a filter keeps: see spectral_merge
+
+
+def wants_partial(kept: Kept, n_cols: int, size: int) -> bool:
+    """Whether a filter keeping ``kept`` (a count from the layer's n_cols, "rule" or None: see :func:`spectral_merge`)
+    asks for a partial spectrum of a C of ``size`` x ``size`` (:func:`~specmerge.linalg.eigensolver.pays`)."""
+    return eigensolver.pays(kept(n_cols) if callable(kept) else kept, size)
+
+
 class LayerProjections(Protocol):
     """One layer's projections for any start, as :func:`spectral_merge` asks for them: the fresh ones of a stack of
     task vectors (:class:`FreshLayer`) or stored ones (a spectral cache, :mod:`specmerge.tuning.spectral_cache`)."""
@@ -153,7 +164,9 @@ class LayerProjections(Protocol):
     n_experts: int  # experts with a non-zero task vector (0: the merge is zero)
     n_total: int  # experts in the stack, those with a zero task vector included
 
-    def projection(self, tau_init: TauInit, *, accurate: bool = False) -> Projection: ...
+    def projection(self, tau_init: TauInit, *, accurate: bool = False, partial: bool = False) -> Projection: ...
+
+    def wants_partial(self, kept: Kept) -> bool: ...
 
     def zeros(self) -> torch.Tensor: ...
 
@@ -161,20 +174,21 @@ class LayerProjections(Protocol):
 class FreshLayer:
     """The projections of a stack of task vectors (N x d_out x d_in, or cores with ``full_shape``), formed when first
     asked for: the start, the normal equation and its spectrum (shared within :func:`shared_decompositions`), the
-    residual B once per start, the SVD spectrum only when asked for (``accurate``)."""
+    residual B once per start and spectrum; the SVD spectrum only when asked for (``accurate``), a partial one
+    (:func:`~specmerge.linalg.spectrum.decompose`) for a filter that keeps leading directions (``partial``)."""
 
     def __init__(self, task_vectors: torch.Tensor, full_shape: tuple[int, int] | None = None) -> None:
         self.task_vectors, self.full_shape = task_vectors, full_shape
         self._starts: dict[str, torch.Tensor | None] = {}
-        self._projections: dict[str, Projection] = {}
+        self._projections: dict[tuple[str, str], Projection] = {}
 
     @functools.cached_property
-    def _system(self) -> tuple[NormalEquation, Spectrum | None]:
-        return equation_and_spectrum(self.task_vectors, self.full_shape)
+    def _equation(self) -> NormalEquation:
+        return shared_equation(self.task_vectors)
 
     @property
     def n_experts(self) -> int:
-        return self._system[0].n_experts
+        return self._equation.n_experts
 
     @property
     def n_total(self) -> int:
@@ -183,20 +197,29 @@ class FreshLayer:
     def zeros(self) -> torch.Tensor:
         return torch.zeros_like(self.task_vectors[0])
 
-    def projection(self, tau_init: TauInit, *, accurate: bool = False) -> Projection:
+    def wants_partial(self, kept: Kept) -> bool:
+        d_in = self.task_vectors.shape[2]
+        return wants_partial(kept, d_in if self.full_shape is None else self.full_shape[1], d_in)
+
+    def projection(self, tau_init: TauInit, *, accurate: bool = False, partial: bool = False) -> Projection:
         if tau_init not in self._starts:
             self._starts[tau_init] = initial_point(self.task_vectors, tau_init)
-        eq, spectrum = self._system
-        if spectrum is None:
+        eq = self._equation
+        if not eq.n_experts:
             raise ValueError("no expert has a non-zero task vector: there is no spectrum (check n_experts first)")
+        kind = "partial" if partial else "full"
+        spectrum = shared_spectrum(self.task_vectors, eq, self.full_shape, kind)
         if accurate and not spectrum.accurate:
-            spectrum = _accurate_spectrum(self.task_vectors, eq, self.full_shape)
-        if tau_init not in self._projections:
-            self._projections[tau_init] = projection(eq, spectrum, self._starts[tau_init])
-        first = self._projections[tau_init]
-        if first.spectrum is spectrum:
-            return first
-        return Projection(spectrum, first.start, first.d_norm, first.start_norm, residual=first.residual)
+            kind, spectrum = "accurate", shared_spectrum(self.task_vectors, eq, self.full_shape, "accurate")
+        if (tau_init, kind) not in self._projections:
+            first = next((p for (start, _), p in self._projections.items() if start == tau_init), None)
+            if first is None:  # B = D - tau_init C once per start, whichever spectrum asks first
+                self._projections[tau_init, kind] = projection(eq, spectrum, self._starts[tau_init])
+            else:
+                self._projections[tau_init, kind] = Projection(
+                    spectrum, first.start, first.d_norm, first.start_norm, residual=first.residual
+                )
+        return self._projections[tau_init, kind]
 
 
 def needs_accurate(spectrum: Spectrum, filt: Filter) -> bool:
@@ -211,6 +234,8 @@ def spectral_merge(
     tau_init: TauInit,
     scale: float,
     full_shape: tuple[int, int] | None = None,
+    *,
+    kept: Kept = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """The one code path of every closed-form spectral method: ``(scale * tau_hat, diagnostics)``.
 
@@ -219,17 +244,23 @@ def spectral_merge(
     vectors are cores of larger layers (see :func:`~specmerge.linalg.spectrum.decompose`), and so is
     the result. No non-zero expert: zeros, unscaled. ``task_vectors`` may also be a layer's stored projections
     (:class:`LayerProjections`): the same filter step then runs on them, with no decomposition.
+
+    ``kept`` says, before the decomposition, which directions the filter can keep: its leading K (a function of the
+    layer's d_in, e.g. SWUDI's ceil(r d_in)), "rule" (a leading K that a rank rule reads off the eigenvalues) or None
+    (any direction). A top-K filter then gets a partial spectrum where that pays (:func:`wants_partial`): every
+    eigenvalue, and only the eigenvectors it keeps.
     """
     layer = FreshLayer(task_vectors, full_shape) if isinstance(task_vectors, torch.Tensor) else task_vectors
     if not layer.n_experts:
         return layer.zeros(), {"n_experts": 0, "kept_rank": 0}
-    p = layer.projection(tau_init)
-    filt, kept = make_filter(p.spectrum)
+    partial = layer.wants_partial(kept)
+    p = layer.projection(tau_init, partial=partial)
+    filt, k = make_filter(p.spectrum)
     if needs_accurate(p.spectrum, filt):  # the rank rule, if any, keeps the K it chose on the first spectrum
-        p = layer.projection(tau_init, accurate=True)
+        p = layer.projection(tau_init, accurate=True, partial=partial)
     gains = filt(p.spectrum.eigenvalues)
     tau_hat = solve(p, filt)
-    return scale * tau_hat, spectrum_diagnostics(layer.n_experts, p.spectrum, kept, gains)
+    return scale * tau_hat, spectrum_diagnostics(layer.n_experts, p.spectrum, k, gains)
 
 
 _SHARED: ContextVar[dict | None] = ContextVar("specmerge_shared_decompositions", default=None)
@@ -254,31 +285,39 @@ def shared_decompositions() -> Iterator[None]:
 def equation_and_spectrum(
     task_vectors: torch.Tensor, full_shape: tuple[int, int] | None = None
 ) -> tuple[NormalEquation, Spectrum | None]:
-    """WUDI's normal equation of a stack and the spectrum of its C (None when no expert is non-zero).
+    """WUDI's normal equation of a stack and the (full) spectrum of its C (None when no expert is non-zero).
 
     Shared within :func:`shared_decompositions`; ``full_shape`` as in :func:`~specmerge.linalg.spectrum.decompose`.
     """
-    cache = _SHARED.get()
-    key = (id(task_vectors), task_vectors._version, full_shape)
-    if cache is not None and key in cache:
-        return cache[key][1:]
-    eq = normal_equation(task_vectors)
-    spectrum = decompose(eq, full_shape) if eq.n_experts else None
-    if cache is not None:
-        cache[key] = (task_vectors, eq, spectrum)  # the tensor is held so that its id stays unique
-    return eq, spectrum
+    eq = shared_equation(task_vectors)
+    return eq, shared_spectrum(task_vectors, eq, full_shape, "full") if eq.n_experts else None
 
 
-def _accurate_spectrum(task_vectors: torch.Tensor, eq: NormalEquation, full_shape: tuple[int, int] | None) -> Spectrum:
-    """decompose(eq, accurate=True), shared like :func:`equation_and_spectrum` within shared_decompositions()."""
+def shared_equation(task_vectors: torch.Tensor) -> NormalEquation:
+    """:func:`~specmerge.linalg.quadratic.normal_equation` of the stack, shared within :func:`shared_decompositions`."""
+    return _shared((id(task_vectors), task_vectors._version), task_vectors, lambda: normal_equation(task_vectors))
+
+
+def shared_spectrum(
+    task_vectors: torch.Tensor, eq: NormalEquation, full_shape: tuple[int, int] | None, kind: str
+) -> Spectrum:
+    """The ``kind`` spectrum of ``eq`` ("full", "partial" or "accurate": :func:`~specmerge.linalg.spectrum.decompose`),
+    shared within :func:`shared_decompositions`: each kind is its own entry, so a sweep gets the bits of separate
+    calls."""
+    key = (id(task_vectors), task_vectors._version, full_shape, kind)
+    return _shared(
+        key, task_vectors, lambda: decompose(eq, full_shape, accurate=kind == "accurate", partial=kind == "partial")
+    )
+
+
+def _shared(key: tuple, task_vectors: torch.Tensor, make: Callable[[], Any]) -> Any:
     cache = _SHARED.get()
-    key = (id(task_vectors), task_vectors._version, full_shape, "accurate")
     if cache is not None and key in cache:
-        return cache[key][2]
-    spectrum = decompose(eq, full_shape, accurate=True)
+        return cache[key][1]
+    value = make()
     if cache is not None:
-        cache[key] = (task_vectors, eq, spectrum)
-    return spectrum
+        cache[key] = (task_vectors, value)  # the tensor is held so that its id stays unique
+    return value
 
 
 def spectrum_diagnostics(n_experts: int, spectrum: Spectrum, kept: int | None, gains: torch.Tensor) -> dict:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from specmerge.linalg import rank_rules
+from specmerge.linalg import eigensolver, rank_rules
+from specmerge.linalg.eigensolver import Reduction
 from specmerge.linalg.quadratic import NormalEquation
 
 RankRule = Literal["psqrt", "gavish_donoho", "participation"]
@@ -32,21 +33,48 @@ class Spectrum:
     BENCHMARKS.md, issue 6).
 
     ``vectors`` holds eigenvectors (columns, same order): the N d_out of the row space of M from the SVD route,
-    all d_in from eigh(C); ``eigenvectors`` are the ``rank`` resolved ones. ``computed`` holds the eigenvalue
-    of every column as computed (clipped at 0, C being positive semi-definite; None means ``eigenvalues``):
-    :func:`~specmerge.linalg.solve.inverse_gains` still inverts an unresolved direction when the filter's gain
-    does not depend on where in [0, floor] its eigenvalue really lies (SWUDI's h / lambda <= t), at its
-    computed eigenvalue. ``accurate``: from the SVD of M (small eigenvalues accurate to eps sigma_1 sigma_k)
-    rather than from eigh(C) (to eps lambda_1).
+    all d_in from eigh(C). A partial spectrum (``reduction``, :mod:`specmerge.linalg.eigensolver`) holds none:
+    it has every eigenvalue and computes the leading k eigenvectors when first asked for (:meth:`leading`), so a
+    top-K merge pays for K of them, not d_in. ``eigenvectors`` are the ``rank`` resolved ones. ``computed`` holds
+    the eigenvalue of every column as computed (clipped at 0, C being positive semi-definite; None means
+    ``eigenvalues``): :func:`~specmerge.linalg.solve.inverse_gains` still inverts an unresolved direction when the
+    filter's gain does not depend on where in [0, floor] its eigenvalue really lies (SWUDI's h / lambda <= t), at
+    its computed eigenvalue. ``accurate``: from the SVD of M (small eigenvalues accurate to eps sigma_1 sigma_k)
+    rather than from eigh(C) or the reduction of C (to eps lambda_1).
     """
 
     eigenvalues: torch.Tensor
-    vectors: torch.Tensor
+    vectors: torch.Tensor | None
     n_rows: int
     n_cols: int
     floor: float = 0.0
     computed: torch.Tensor | None = None
     accurate: bool = False
+    reduction: Reduction | None = None
+    error: float = 0.0
+    _leading: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+
+    @functools.cached_property
+    def rule_eigenvalues(self) -> torch.Tensor:
+        """The eigenvalues the rank rules read: as computed, zeroed at or below the round-off this decomposition
+        showed (``rule_floor``) rather than the a-priori ``floor``.
+
+        The floor bounds the error of any eigenvalue, and what the filter inverts must be above it. A rank rule only
+        counts and sums eigenvalues: zeroing the part of a noise bulk that lies below the floor but well above the
+        round-off moved float32's psqrt K from float64's 499 to 491 on fc2-shaped experts (issue 23), and a plain
+        float32 eigh implementation that reads every computed eigenvalue gets 499.
+        """
+        if self.computed is None or self.accurate:
+            return self.eigenvalues
+        head = self.computed[: self.eigenvalues.numel()]
+        return torch.where(head > self.rule_floor, head, torch.zeros_like(head))
+
+    @property
+    def rule_floor(self) -> float:
+        """min(floor, 2 x the round-off measured on this decomposition, at least eps lambda_1): the computed
+        eigenvalues of a positive semi-definite C that come out negative show how large the error is (C's null
+        space on rank-deficient layers: about half of them), and none do where every eigenvalue is resolved."""
+        return self.floor if self.accurate else min(self.floor, 2 * self.error)
 
     @functools.cached_property
     def rank(self) -> int:
@@ -54,16 +82,68 @@ class Spectrum:
         return int((self.eigenvalues > 0).sum())
 
     @property
+    def n_vectors(self) -> int:
+        """How many directions have an eigenvector (computed, or to compute from the reduction)."""
+        return self.reduction.size if self.vectors is None else self.vectors.shape[1]
+
+    @property
+    def vector_length(self) -> int:
+        """The length of an eigenvector: n_cols of the matrix decomposed (of the cores, for LoRA experts)."""
+        return self.reduction.size if self.vectors is None else self.vectors.shape[0]
+
+    @property
+    def partial(self) -> bool:
+        """Whether the eigenvectors come from a reduction, the leading k at a time (:meth:`basis`)."""
+        return self.vectors is None
+
+    def basis(self, k: int) -> tuple[int, torch.Tensor]:
+        """The computed eigenvectors that hold the leading k, and their count: ``vectors`` (all of them) for a full
+        spectrum; from a reduction, the leading k by MRRR while that is the cheaper way, else all of them
+        (:func:`~specmerge.linalg.eigensolver.mrrr_pays`). The same k gives the same bits, and a partial spectrum
+        keeps the last LEADING_KEPT sets it computed."""
+        if self.vectors is not None:
+            return self.vectors.shape[1], self.vectors
+        count = k if eigensolver.mrrr_pays(k, self.reduction.size) else self.reduction.size
+        if count not in self._leading:
+            self._leading[count] = self.reduction.leading_vectors(count)
+            for old in list(self._leading)[:-LEADING_KEPT]:
+                del self._leading[old]
+        return count, self._leading[count]
+
+    def kept_bases(self) -> list[int]:
+        """The counts of the sets of eigenvectors a partial spectrum holds now (see :meth:`basis`)."""
+        return list(self._leading)
+
+    def leading(self, k: int) -> torch.Tensor:
+        """The eigenvectors of the k leading directions (vector_length x k)."""
+        return self.basis(k)[1][:, :k]
+
+    def columns(self, index: torch.Tensor) -> torch.Tensor:
+        """The eigenvectors of the directions ``index`` (ascending), from :meth:`basis` for the leading
+        index[-1] + 1: the same vectors :class:`~specmerge.linalg.projection.Projection` projects on."""
+        return self.basis(prefix(index))[1][:, index]
+
+    @property
     def eigenvectors(self) -> torch.Tensor:
-        """The eigenvectors of the ``rank`` resolved eigenvalues (n_cols x rank)."""
-        return self.vectors[:, : self.rank]
+        """The eigenvectors of the ``rank`` resolved eigenvalues (vector_length x rank)."""
+        return self.leading(self.rank)
 
     @property
     def computed_eigenvalues(self) -> torch.Tensor:
         return self.eigenvalues if self.computed is None else self.computed
 
 
-def decompose(eq: NormalEquation, full_shape: tuple[int, int] | None = None, *, accurate: bool = False) -> Spectrum:
+LEADING_KEPT = 2  # sets of eigenvectors a partial spectrum keeps (each vector_length x count)
+
+
+def prefix(index: torch.Tensor) -> int:
+    """How many leading directions hold the directions ``index`` (ascending): index[-1] + 1, 0 for none."""
+    return int(index[-1]) + 1 if index.numel() else 0
+
+
+def decompose(
+    eq: NormalEquation, full_shape: tuple[int, int] | None = None, *, accurate: bool = False, partial: bool = False
+) -> Spectrum:
     """Symmetric eigendecomposition of C, through the smaller of C (d_in^2) and the row space of M ((N d_out)^2).
 
     N d_out >= d_in: eigh(C), eigenvalues accurate to about eps lambda_1. N d_out < d_in, or ``accurate``:
@@ -81,13 +161,21 @@ def decompose(eq: NormalEquation, full_shape: tuple[int, int] | None = None, *, 
     (P, R orthonormal, e.g. LoRA experts): C then has the same non-zero eigenvalues, padded here with the
     zeros the real min(N d_out, d_in) spectrum has, and d_in, N d_out are the real ones for rank rules and
     the resolution floor.
+
+    ``partial`` (the caller keeps only leading directions, and it pays: :func:`~specmerge.linalg.eigensolver.pays`):
+    on the eigh(C) route, C is reduced once (:func:`~specmerge.linalg.eigensolver.reduce`) with every eigenvalue,
+    and eigenvectors are computed only as the solve asks for them (a partial :class:`Spectrum`).
     """
     n_rows, n_cols = eq.n_experts * eq.d_out, eq.d_in
     if full_shape is not None:
-        return _embed(decompose(eq, accurate=accurate), eq.n_experts * full_shape[0], full_shape[1])
+        core = decompose(eq, accurate=accurate, partial=partial)
+        return _embed(core, eq.n_experts * full_shape[0], full_shape[1])
     if accurate or n_rows < n_cols:
         sigma, Q = _singular_pairs(eq.M)
         return _spectrum(sigma * sigma, Q, n_rows, n_cols, accurate=True)
+    if partial and eigensolver.solves(eq.C):
+        reduction = eigensolver.reduce(eq.C)
+        return _spectrum(reduction.eigenvalues.to(eq.C.dtype), None, n_rows, n_cols, False, reduction)
     lam, Q = torch.linalg.eigh(eq.C)
     return _spectrum(lam.flip(0), Q.flip(1), n_rows, n_cols, accurate=False)
 
@@ -122,8 +210,19 @@ def resolution_floor(eigenvalues: torch.Tensor, n_cols: int, accurate: bool) -> 
     return math.sqrt(n_cols) * eps * float(eigenvalues[0])
 
 
-def _spectrum(computed: torch.Tensor, vectors: torch.Tensor, n_rows: int, n_cols: int, accurate: bool) -> Spectrum:
+def _spectrum(
+    computed: torch.Tensor,
+    vectors: torch.Tensor | None,
+    n_rows: int,
+    n_cols: int,
+    accurate: bool,
+    reduction: Reduction | None = None,
+    error: float | None = None,
+) -> Spectrum:
     """The Spectrum of descending computed eigenvalues (one per column of ``vectors``, or fewer).
+
+    ``error``: the round-off of the computed eigenvalues (see :attr:`Spectrum.rule_floor`), measured here on them
+    as they come from the solver (negatives included) unless given.
 
     ``eigenvalues`` are the first min(n_rows, n_cols), zero-padded to that many, with the unresolved ones
     zeroed; ``computed`` keeps them all, clipped at 0. When eigh(C) gives more (N d_out < d_in), the rest
@@ -132,31 +231,34 @@ def _spectrum(computed: torch.Tensor, vectors: torch.Tensor, n_rows: int, n_cols
     :func:`~specmerge.linalg.solve.filtered_solve` skips those whose right-hand side is round-off.
     """
     m = min(n_rows, n_cols)
+    lowest = float(computed.min()) if computed.numel() else 0.0
     computed = computed.clamp(min=0)
     if computed.numel() < m:
         computed = torch.cat([computed, computed.new_zeros(m - computed.numel())])
     floor = resolution_floor(computed, n_cols, accurate)
     head = computed[:m]
     resolved = torch.where(head > floor, head, torch.zeros_like(head))
-    return Spectrum(resolved, vectors, n_rows, n_cols, floor, computed, accurate)
+    top = float(computed[0]) if computed.numel() else 0.0
+    error = max(torch.finfo(computed.dtype).eps * top, -lowest) if error is None else error
+    return Spectrum(resolved, vectors, n_rows, n_cols, floor, computed, accurate, reduction, error)
 
 
 def _embed(core: Spectrum, n_rows: int, n_cols: int) -> Spectrum:
     """The spectrum of the real layer from that of its core: zeros appended, the floor of the real d_in."""
-    return _spectrum(core.computed_eigenvalues, core.vectors, n_rows, n_cols, core.accurate)
+    return _spectrum(core.computed_eigenvalues, core.vectors, n_rows, n_cols, core.accurate, core.reduction, core.error)
 
 
 def directions(spectrum: Spectrum) -> tuple[torch.Tensor, torch.Tensor]:
-    """The computed eigenvalue of each column of ``spectrum.vectors``, and whether it is resolved."""
-    lam = spectrum.computed_eigenvalues[: spectrum.vectors.shape[1]]
+    """The computed eigenvalue of each direction with an eigenvector (``n_vectors``), and whether it is resolved."""
+    lam = spectrum.computed_eigenvalues[: spectrum.n_vectors]
     if spectrum.computed is None:  # a Spectrum built by hand: its eigenvalues are the resolved view
         return lam, lam > 0
     return lam, lam > spectrum.floor
 
 
 def choose_rank(rule: RankRule, spectrum: Spectrum) -> int:
-    """K from a named rank rule applied to the spectrum of C."""
-    lam = spectrum.eigenvalues
+    """K from a named rank rule applied to the spectrum of C (its :attr:`~Spectrum.rule_eigenvalues`)."""
+    lam = spectrum.rule_eigenvalues
     if rule == "psqrt":
         return rank_rules.psqrt_rank(lam)
     if rule == "gavish_donoho":

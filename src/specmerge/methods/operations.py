@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from specmerge.linalg import eigensolver
+
 Shape = tuple[int, ...]
 CostFunction = Callable[[Shape, int, Mapping[str, Any]], "Operations"]  # (stack shape, itemsize, params)
 
@@ -30,6 +32,7 @@ class Operations:
 
     matmul: float = 0.0  # flops of dense matrix products (2 m n k per (m x k) @ (k x n))
     eigh: tuple[int, ...] = ()  # symmetric eigendecompositions with eigenvectors, by size d (d x d)
+    partial_eigh: tuple[tuple[int, int], ...] = ()  # (d, k): reductions with the k leading eigenvectors
     svd: tuple[tuple[int, int, int], ...] = ()  # (count, m, n): SVDs with vectors of m x n matrices
     qr: tuple[tuple[int, int], ...] = ()  # (m, n), m >= n: Householder QR with the m x n Q formed
     memory: float = 0.0  # bytes read and written by elementwise passes over tensors
@@ -42,6 +45,7 @@ class Operations:
         return Operations(
             self.matmul + other.matmul,
             self.eigh + other.eigh,
+            self.partial_eigh + other.partial_eigh,
             self.svd + other.svd,
             self.qr + other.qr,
             self.memory + other.memory,
@@ -57,6 +61,7 @@ class Operations:
             self,
             matmul=self.matmul * count,
             eigh=self.eigh * count,
+            partial_eigh=self.partial_eigh * count,
             svd=self.svd * count,
             qr=self.qr * count,
             memory=self.memory * count,
@@ -83,10 +88,10 @@ def normal_equation_ops(n: int, d_out: int, d_in: int, e: int) -> Operations:
     d_out < d_in, else A_i = tau^T tau / n_i (summed into C) and tau A_i."""
     x = d_out * d_in
     norms = passes(n, x, e)
-    if d_out < d_in:
-        per = Operations(matmul=4.0 * d_out * d_out * d_in, memory=4.0 * x * e)
+    if d_out < d_in:  # the Gram tau tau^T by a symmetric update: half a product
+        per = Operations(matmul=3.0 * d_out * d_out * d_in, memory=4.0 * x * e)
         return norms + per.times(n) + Operations(workspace=(x + d_out * d_out + x) * e)
-    per = Operations(matmul=4.0 * d_out * d_in * d_in, memory=(5.0 * d_in * d_in + 3.0 * x) * e)
+    per = Operations(matmul=3.0 * d_out * d_in * d_in, memory=(5.0 * d_in * d_in + 3.0 * x) * e)
     return norms + per.times(n) + Operations(workspace=(x + 2 * d_in * d_in) * e)
 
 
@@ -103,12 +108,18 @@ def singular_pairs_ops(rows: int, cols: int, e: int) -> Operations:
     )
 
 
-def decompose_ops(n: int, d_out: int, d_in: int, e: int) -> Operations:
+def decompose_ops(n: int, d_out: int, d_in: int, e: int, top_k: int | None = None, rule: bool = False) -> Operations:
     """The spectrum of C: eigh(C) when N d_out >= d_in (C formed first if :func:`normal_equation_ops` did not:
-    d_out < d_in), else the SVD of M (:func:`singular_pairs_ops`)."""
+    d_out < d_in, by symmetric updates), else the SVD of M (:func:`singular_pairs_ops`). ``top_k``: the filter keeps
+    that many leading directions (a rank rule's K when ``rule``): the partial route where it pays
+    (:func:`specmerge.linalg.eigensolver.pays`), a reduction and the k vectors."""
     if n * d_out < d_in:
         return singular_pairs_ops(n * d_out, d_in, e)
-    formed = Operations() if d_out >= d_in else Operations(matmul=2.0 * n * d_out * d_in * d_in)
+    formed = Operations() if d_out >= d_in else Operations(matmul=1.0 * n * d_out * d_in * d_in)
+    if top_k is not None and eigensolver.pays("rule" if rule else top_k, d_in):
+        # C's copy for ?sytrd and the reflectors it leaves, then the k vectors (float64 in MRRR's work array)
+        workspace = (d_in * d_in + d_in * top_k) * e + 8 * d_in * d_in
+        return formed + Operations(partial_eigh=((d_in, top_k),), memory=2.0 * d_in * d_in * e, workspace=workspace)
     # C, eigh's vectors and its work arrays (1 + 6 d + 2 d^2), then the flipped copy of the vectors
     return formed + Operations(eigh=(d_in,), memory=2.0 * d_in * d_in * e, workspace=4 * d_in * d_in * e)
 
@@ -133,13 +144,16 @@ def filtered_solve_ops(n: int, d_out: int, d_in: int, kept: int, e: int, *, star
 
 def spectral_merge_ops(shape: Shape, e: int, kept: int | None, tau_init: str, assumed: str = "") -> Operations:
     """:func:`specmerge.linalg.solve.spectral_merge`: tau_init, the normal equation, the spectrum, the solve and
-    the scale; ``kept`` directions inverted (None: every direction of the rank bound min(N d_out, d_in))."""
+    the scale; ``kept`` leading directions inverted (None: every direction of the rank bound min(N d_out, d_in));
+    a rank rule's K (``assumed`` said) takes the partial route wherever it pays."""
     n, d_out, d_in = shape
     x = d_out * d_in
     bound = min(n * d_out, d_in)
     k = bound if kept is None else max(0, min(kept, bound))
     start = tau_init != "zero"
-    normal, spectrum = normal_equation_ops(n, d_out, d_in, e), decompose_ops(n, d_out, d_in, e)
+    top_k = None if kept is None else k
+    spectrum = decompose_ops(n, d_out, d_in, e, top_k, rule=bool(assumed))
+    normal = normal_equation_ops(n, d_out, d_in, e)
     solve = filtered_solve_ops(n, d_out, d_in, k, e, start=start)
     ops = (passes(n + 1, x, e) if start else Operations()) + normal + spectrum + solve + passes(2, x, e)
     # alive together: tau_init and D throughout; C (or M) and the eigenvectors from the spectrum to the solve

@@ -8,6 +8,7 @@ resolution floor. The plain closed form D C^+ is ``closed_form`` in :mod:`specme
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from specmerge.linalg import rank_rules
 from specmerge.linalg.filters import Exponential, Filter, Landweber, PseudoInverse, Tikhonov, TopK
 from specmerge.linalg.quadratic import TauInit
-from specmerge.linalg.solve import spectral_merge
+from specmerge.linalg.solve import Kept, spectral_merge
 from specmerge.linalg.spectrum import RankRule, Spectrum, choose_rank
 from specmerge.methods.operations import RANK_RULE_ASSUMPTION, Operations, Shape, rank_rule_kept, spectral_merge_ops
 from specmerge.methods.params import Count, NonNegative, NonNegativeOrInf, Positive, UnitInterval
@@ -50,6 +51,18 @@ def spectral_filter_cost(shape: Shape, itemsize: int, params: dict) -> Operation
     return spectral_merge_ops(shape, itemsize, rank_rule_kept(shape), tau_init, RANK_RULE_ASSUMPTION)
 
 
+def kept_directions(method: str, params: dict) -> Kept:
+    """Which directions a spectral method's filter can keep, known before the decomposition (see
+    :func:`~specmerge.linalg.solve.spectral_merge`): SWUDI's leading ceil(r d_in), a rank rule's leading K, or any.
+    ``params`` are the method's validated parameters; the spectral cache asks too, to store the spectra they use."""
+    rank = {"swudi": "ratio", "swudi_a": "rule"}.get(method, params.get("rank", "all"))
+    if rank == "all":
+        return None
+    if rank == "ratio":
+        return functools.partial(rank_rules.fixed_ratio_rank, params["rank_ratio"])
+    return "rule"
+
+
 @register(
     "swudi",
     citation=PAPER_CITATION,
@@ -81,7 +94,8 @@ def swudi(
         k = rank_rules.fixed_ratio_rank(rank_ratio, spectrum.n_cols)
         return TopK(k) * Exponential(t), k
 
-    return LayerResult(*spectral_merge(task_vectors, make_filter, tau_init, scale, full_shape))
+    kept = kept_directions("swudi", {"rank_ratio": rank_ratio})
+    return LayerResult(*spectral_merge(task_vectors, make_filter, tau_init, scale, full_shape, kept=kept))
 
 
 @register(
@@ -116,7 +130,8 @@ def swudi_a(
         k = choose_rank(rule, spectrum)
         return TopK(k), k
 
-    result = LayerResult(*spectral_merge(task_vectors, make_filter, tau_init, scale, full_shape))
+    kept = kept_directions("swudi_a", {"rule": rule})
+    result = LayerResult(*spectral_merge(task_vectors, make_filter, tau_init, scale, full_shape, kept=kept))
     result.diagnostics["rule"] = rule
     return result
 
@@ -179,4 +194,5 @@ def spectral_filter(
         k = rank_rules.fixed_ratio_rank(rank_ratio, spectrum.n_cols) if rank == "ratio" else choose_rank(rank, spectrum)
         return TopK(k) * soft, k
 
-    return LayerResult(*spectral_merge(task_vectors, make_filter, tau_init, scale, full_shape))
+    kept = kept_directions("spectral_filter", {"rank": rank, "rank_ratio": rank_ratio})
+    return LayerResult(*spectral_merge(task_vectors, make_filter, tau_init, scale, full_shape, kept=kept))

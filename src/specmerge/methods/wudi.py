@@ -82,8 +82,8 @@ def wudi_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
         per_step = loss.times(3) + step + Operations(workspace=(3 * n * x + 2 * n * d_out * d_out) * e)
         return passes(3 * n + 2, x, e) + per_step.times(steps) + loss.times(2)
     ops = normal_equation_ops(n, d_out, d_in, e)
-    if d_out < d_in <= 2 * n * d_out:  # C formed on the first product with it
-        ops = ops + Operations(matmul=2.0 * n * d_out * d_in * d_in, workspace=d_in * d_in * e)
+    if d_out < d_in <= 2 * n * d_out:  # C formed on the first product with it, by symmetric updates
+        ops = ops + Operations(matmul=1.0 * n * d_out * d_in * d_in, workspace=d_in * d_in * e)
     per_step = gradient_ops(n, d_out, d_in, e) + step
     return ops + passes(n + 1, x, e) + per_step.times(steps) + loss.times(2) + Operations(workspace=4 * x * e)
 

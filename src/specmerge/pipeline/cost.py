@@ -37,6 +37,7 @@ import torch
 
 from specmerge.io.experts import Expert
 from specmerge.io.protocol import TensorSource
+from specmerge.linalg import eigensolver
 from specmerge.methods import get_method
 from specmerge.methods.operations import Operations, passes
 from specmerge.pipeline.calibrate import ComputeRates, InputReads, input_reads, rates_now
@@ -189,6 +190,7 @@ def price(ops: Operations, rates: ComputeRates) -> float:
     """Seconds of ``ops`` at the machine's rates (each rate probed on first use)."""
     seconds = ops.matmul / rates.matmul if ops.matmul else 0.0
     seconds += sum(rates.eigh_seconds(d) for d in ops.eigh)
+    seconds += sum(rates.eigh_seconds(d) * eigensolver.cost_share(k, d) for d, k in ops.partial_eigh)
     seconds += sum(count * max(m, n) * min(m, n) ** 2 * rates.svd for count, m, n in ops.svd)
     seconds += sum((4 * m * n * n - 4 / 3 * n**3) / rates.qr for m, n in ops.qr)
     seconds += ops.memory / rates.memory if ops.memory else 0.0

@@ -23,7 +23,7 @@ import torch
 
 from specmerge.io.output import atomic_directory, check_output
 from specmerge.linalg.projection import Projection
-from specmerge.linalg.solve import LayerProjections, ProjectionMissing
+from specmerge.linalg.solve import Kept, LayerProjections, ProjectionMissing
 from specmerge.pipeline.api import model_files, record_output, shard_writer
 from specmerge.pipeline.executor import StreamingExecutor
 from specmerge.pipeline.inputs import refuse_output_inside_inputs
@@ -47,18 +47,22 @@ class SharedProducts:
 
     def __init__(self, layer: LayerProjections) -> None:
         self.layer, self.n_experts, self.n_total = layer, layer.n_experts, layer.n_total
-        self._projections: dict[tuple[str, bool], Projection] = {}
+        self._projections: dict[tuple[str, bool, bool], Projection] = {}
 
     def zeros(self) -> torch.Tensor:
         return self.layer.zeros()
 
-    def projection(self, tau_init: str, *, accurate: bool = False) -> Projection:
-        key = (tau_init, accurate)
+    def wants_partial(self, kept: Kept) -> bool:
+        return self.layer.wants_partial(kept)
+
+    def projection(self, tau_init: str, *, accurate: bool = False, partial: bool = False) -> Projection:
+        key = (tau_init, accurate, partial)
         if key not in self._projections:
-            p = self.layer.projection(tau_init, accurate=accurate)
-            if p.held is None:
+            p = self.layer.projection(tau_init, accurate=accurate, partial=partial)
+            if p.held is None and not p.spectrum.partial:
                 raise ProjectionMissing("only stored projections are shared between settings")
-            shared = Projection(p.spectrum, p.start, p.d_norm, p.start_norm, held=p.held)  # its own list of products
+            columns = {"held": p.held} if p.held is not None else {"residual": p.residual}
+            shared = Projection(p.spectrum, p.start, p.d_norm, p.start_norm, **columns)  # its own list of products
             shared.shared = []
             self._projections[key] = shared
         return self._projections[key]

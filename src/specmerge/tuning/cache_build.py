@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from specmerge.io.task_vectors import TaskVector
-from specmerge.linalg.solve import FreshLayer
+from specmerge.linalg.solve import FreshLayer, Kept
 from specmerge.pipeline.compute import spectral_stack
 from specmerge.pipeline.cost import expert_kind
 from specmerge.pipeline.jobs import ComputeOptions
@@ -36,6 +36,7 @@ from specmerge.tuning.spectral_cache import (
     content_key,
     entry_files,
     estimate_bytes,
+    spectrum_kinds,
 )
 
 
@@ -51,9 +52,15 @@ class CacheBuild:
     lacks (here), write it (writer thread). ``keys`` maps each tensor name to its entry's key once run."""
 
     def __init__(
-        self, prepared: PreparedMerge, cache: SpectralCache, options: ComputeOptions, tau_inits: Sequence[str]
+        self,
+        prepared: PreparedMerge,
+        cache: SpectralCache,
+        options: ComputeOptions,
+        tau_inits: Sequence[str],
+        kept: Sequence[Kept] = (None,),
     ) -> None:
         self.prepared, self.cache, self.options, self.tau_inits = prepared, cache, options, list(tau_inits)
+        self.kept = list(kept)
         experts = prepared.experts
         self.items = [
             WorkItem(e) for e in prepared.plan if cacheable(e, [expert_kind(x, e.name) for x in experts])
@@ -76,11 +83,16 @@ class CacheBuild:
 
     def compute(self, item: WorkItem, inputs: _Read) -> Outcome:
         self.keys[item.name] = inputs.key
-        if self.cache.has(inputs.key, self.tau_inits):
+        kinds = spectrum_kinds(item.entry, self.kept)
+        missing = [kind for kind in kinds if not self.cache.has(inputs.key, self.tau_inits, kind)]
+        if not missing:
             return Outcome(None, {"cached": True})
         o = self.options
         stack = spectral_stack(item.entry, inputs.base, inputs.values, device=o.device, compute_dtype=o.compute_dtype)
-        files, meta = entry_files(FreshLayer(stack), self.tau_inits)
+        layer, files = FreshLayer(stack), {}
+        for kind in missing:
+            kind_files, meta = entry_files(layer, self.tau_inits, partial=kind == "partial")
+            files |= kind_files
         return Outcome((inputs.key, files, meta), {"cached": False})
 
     def deliver(self, item: WorkItem, output: Any) -> None:
@@ -94,10 +106,14 @@ def cached_layers(
     root: Path,
     tau_inits: Sequence[str],
     *,
+    kept: Sequence[Kept] = (None,),
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict[str, CachedLayer]:
     """Fill the cache at ``root`` for ``recipe``'s spectral layers (the starts ``tau_inits``) and open its entries.
+
+    ``kept``: what the settings' filters keep (:func:`specmerge.methods.spectral.kept_directions`), so that each layer
+    stores the spectra they ask for (full, partial or both).
 
     Before anything is decomposed, the size of what is missing is printed; a disk without room for it is refused.
     Returns {} when the recipe merges no tensor with a spectral method (or only LoRA experts, merged on factors).
@@ -106,10 +122,10 @@ def cached_layers(
     options = ComputeOptions.for_recipe(recipe)
     with ExitStack() as stack:
         prepared = prepare_merge(stack, recipe, None)
-        job = CacheBuild(prepared, cache, options, tau_inits)
+        job = CacheBuild(prepared, cache, options, tau_inits, kept)
         if not job.items:
             return {}
-        size = estimate_bytes([i.entry for i in job.items], len(prepared.experts), tau_inits)
+        size = estimate_bytes([i.entry for i in job.items], len(prepared.experts), tau_inits, kept=kept)
         root.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(root).free
         log(f"spectral cache: {len(job.items)} layers, at most {size / 2**30:.2f} GiB in {root} "

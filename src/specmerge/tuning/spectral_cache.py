@@ -7,13 +7,17 @@ the start itself, ||D||_F, ||tau_init||_F and the right-hand sides B Q = (D - ta
 t, rank rule, scale) is then two products per layer, with no eigendecomposition and no expert read: the same
 arithmetic on the same numbers as a fresh merge, so the same bits (``tests/test_spectral_cache.py``; the block
 structure of B Q in :class:`~specmerge.linalg.solve.Projection` makes that hold whatever BLAS does with widths).
+Settings whose filter keeps leading directions take the partial route where it pays (issue 23): their entry is the
+``partial`` spectrum, the reduction of C with every eigenvalue, and per start B itself; each setting computes the
+eigenvectors it keeps from the reduction, as a fresh merge does (no eigendecomposition, no expert read).
 
 An entry is keyed by the content of its inputs (the base's and every expert's bytes for that tensor, their dtypes
 and shapes), the compute dtype, the device type, the orientation and a hash of the code that computes it: a changed
 input, dtype or version makes a new key, never a stale hit. Layout: ``<root>/<key[:2]>/<key>/`` holding
 ``spectrum.safetensors`` and ``spectrum-<tau_init>.safetensors`` (plus ``accurate*`` when a filter needed the SVD
 spectrum), each written to a temporary name and renamed. Size per layer (float32): Q (d_in x m), and per start B Q
-(d_out x m) and tau_init (d_out x d_in), m = min(N d_out, d_in): :func:`estimate_bytes`, printed before a build.
+(d_out x m) and tau_init (d_out x d_in), m = min(N d_out, d_in) (a partial entry: the d_in x d_in reflectors, and
+per start B and tau_init): :func:`estimate_bytes`, printed before a build.
 """
 
 from __future__ import annotations
@@ -32,15 +36,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specmerge.io.task_vectors import TaskVector
+from specmerge.linalg.eigensolver import Reduction
 from specmerge.linalg.projection import Projection
 from specmerge.linalg.quadratic import TauInit
-from specmerge.linalg.solve import FreshLayer, ProjectionMissing
+from specmerge.linalg.solve import FreshLayer, Kept, ProjectionMissing, wants_partial
 from specmerge.linalg.spectrum import Spectrum
 from specmerge.methods import get_method
 from specmerge.pipeline.plan import TensorPlan
 
 FORMAT = "specmerge-spectral-cache/1"
-SPECTRUM_KINDS = ("spectrum", "accurate")  # eigh(C) or the SVD of M as decompose() chose; the SVD one when forced
+# eigh(C) or the SVD of M as decompose() chose; the SVD one when forced; the partial one (a reduction of C) for top-K
+SPECTRUM_KINDS = ("spectrum", "accurate", "partial")
 
 
 def code_key() -> str:
@@ -89,14 +95,30 @@ def cacheable(entry: TensorPlan, kinds: Sequence[str]) -> bool:
     return any(kind == "dense" for kind in kinds)
 
 
-def estimate_bytes(entries: Iterable[TensorPlan], n_experts: int, tau_inits: Iterable[str], itemsize: int = 4) -> int:
-    """Bytes an entry set takes in the cache (all N experts non-zero; the SVD spectrum not counted)."""
-    starts = list(tau_inits)
+def spectrum_kinds(entry: TensorPlan, kept: Iterable[Kept]) -> list[str]:
+    """The spectra the settings ask of this layer (``kept``: what each setting's filter keeps): partial for a top-K
+    filter where that pays, else full ("spectrum")."""
+    d_in = entry.shape[0] if entry.transposed else entry.shape[1]
+    return sorted({spectrum_kind(False, wants_partial(k, d_in, d_in)) for k in kept})
+
+
+def estimate_bytes(
+    entries: Iterable[TensorPlan],
+    n_experts: int,
+    tau_inits: Iterable[str],
+    itemsize: int = 4,
+    kept: Iterable[Kept] = (None,),
+) -> int:
+    """Bytes an entry set takes in the cache (all N experts non-zero; the SVD spectrum not counted): per full spectrum
+    Q and per start B Q and tau_init; per partial one the reflectors and per start B and tau_init."""
+    starts, kept = list(tau_inits), list(kept)
     total = 0
     for entry in entries:
         d_out, d_in = entry.shape[::-1] if entry.transposed else entry.shape
         m = min(n_experts * d_out, d_in)
-        total += d_in * m + 2 * m + sum(d_out * m + (0 if s == "zero" else d_out * d_in) for s in starts)
+        for kind in spectrum_kinds(entry, kept):
+            width = d_in if kind == "partial" else m
+            total += d_in * width + 4 * d_in + sum(d_out * width + (0 if s == "zero" else d_out * d_in) for s in starts)
     return total * itemsize
 
 
@@ -126,8 +148,12 @@ class CachedLayer:
         meta = self._meta
         return torch.zeros(meta["shape"], dtype=getattr(torch, meta["dtype"]), device=self.device)
 
-    def projection(self, tau_init: TauInit, *, accurate: bool = False) -> Projection:
-        kind = "accurate" if accurate else "spectrum"
+    def wants_partial(self, kept: Kept) -> bool:
+        d_in = self._meta["shape"][1]
+        return wants_partial(kept, d_in, d_in)
+
+    def projection(self, tau_init: TauInit, *, accurate: bool = False, partial: bool = False) -> Projection:
+        kind = spectrum_kind(accurate, partial)
         if (kind, tau_init) in self._loaded:
             return self._loaded[kind, tau_init]
         p = self._load(kind, tau_init)
@@ -141,9 +167,10 @@ class CachedLayer:
             raise ProjectionMissing(f"{self.folder.name}: no {kind} projection for tau_init={tau_init}")
         spectrum = _read_spectrum(spectrum_file, self.device)
         tensors, meta = _read(start_file, self.device)
-        return Projection(
-            spectrum, tensors.get("start"), float(meta["d_norm"]), float(meta["start_norm"]), held=tensors["projected"]
-        )
+        start, d_norm, start_norm = tensors.get("start"), float(meta["d_norm"]), float(meta["start_norm"])
+        if spectrum.partial:  # the vectors are computed per K, as in a fresh merge: B itself is stored
+            return Projection(spectrum, start, d_norm, start_norm, residual=tensors["residual"])
+        return Projection(spectrum, start, d_norm, start_norm, held=tensors["projected"])
 
 
 class SpectralCache:
@@ -182,40 +209,51 @@ class SpectralCache:
         return written
 
 
+def spectrum_kind(accurate: bool, partial: bool) -> str:
+    """The name of the spectrum a merge asks for: the SVD one when ``accurate``, else partial or full."""
+    return "accurate" if accurate else "partial" if partial else "spectrum"
+
+
 def entry_files(
-    layer: FreshLayer, tau_inits: Iterable[str], *, accurate: bool = False
+    layer: FreshLayer, tau_inits: Iterable[str], *, accurate: bool = False, partial: bool = False
 ) -> tuple[dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]], dict[str, Any]]:
-    """What the cache stores of a layer: its spectrum and, per start, B Q for every column, tau_init and the norms;
-    and the layer's facts (experts, shape, dtype). A layer without a non-zero expert stores only the facts."""
+    """What the cache stores of a layer: its spectrum and, per start, B Q for every column (B itself for a partial
+    spectrum, whose vectors are computed per K), tau_init and the norms; and the layer's facts (experts, shape,
+    dtype). A layer without a non-zero expert stores only the facts."""
     zeros = layer.zeros()
     meta = {"n_experts": layer.n_experts, "n_total": layer.n_total, "shape": list(zeros.shape),
             "dtype": str(zeros.dtype).removeprefix("torch.")}  # fmt: skip
     files: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
     if not layer.n_experts:
         return files, meta
-    kind = "accurate" if accurate else "spectrum"
+    kind = spectrum_kind(accurate, partial)
     for start in tau_inits:
-        p = layer.projection(start, accurate=accurate)
+        p = layer.projection(start, accurate=accurate, partial=partial)
         files.setdefault(f"{kind}.safetensors", _spectrum_tensors(p.spectrum))
-        tensors = {"projected": p.all_columns()} | ({} if p.start is None else {"start": p.start})
+        columns = {"residual": p.residual} if p.spectrum.partial else {"projected": p.all_columns()}
+        tensors = columns | ({} if p.start is None else {"start": p.start})
         files[f"{kind}-{start}.safetensors"] = (tensors, {"d_norm": p.d_norm, "start_norm": p.start_norm})
     return files, meta
 
 
 def _spectrum_tensors(spectrum: Spectrum) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    tensors = {"eigenvalues": spectrum.eigenvalues, "vectors": spectrum.vectors}
+    if spectrum.partial:
+        tensors = {"eigenvalues": spectrum.eigenvalues, **spectrum.reduction.tensors()}
+    else:
+        tensors = {"eigenvalues": spectrum.eigenvalues, "vectors": spectrum.vectors}
     if spectrum.computed is not None:
         tensors["computed"] = spectrum.computed
-    meta = {"n_rows": spectrum.n_rows, "n_cols": spectrum.n_cols, "floor": spectrum.floor}
+    meta = {"n_rows": spectrum.n_rows, "n_cols": spectrum.n_cols, "floor": spectrum.floor, "error": spectrum.error}
     meta["accurate"] = spectrum.accurate
     return tensors, meta
 
 
 def _read_spectrum(path: Path, device: torch.device) -> Spectrum:
     tensors, meta = _read(path, device)
+    reduction = Reduction.from_tensors(tensors) if "reflectors" in tensors else None
     return Spectrum(
-        tensors["eigenvalues"], tensors["vectors"], int(meta["n_rows"]), int(meta["n_cols"]), float(meta["floor"]),
-        tensors.get("computed"), bool(meta["accurate"]),
+        tensors["eigenvalues"], tensors.get("vectors"), int(meta["n_rows"]), int(meta["n_cols"]), float(meta["floor"]),
+        tensors.get("computed"), bool(meta["accurate"]), reduction, float(meta["error"]),
     )  # fmt: skip
 
 

@@ -201,18 +201,33 @@ def _open_folder(folder: Path, state: dict[str, Any], restart: bool) -> ResultsL
 def _layers(recipe: Recipe, settings: list[Setting], root: Path, progress: bool, log: Callable[[str], None]) -> dict:
     """The spectral cache's layers for every start the settings use ({} when the method is not spectral)."""
     method = get_method(recipe.method)
-    starts = set()
-    if method.spectral:  # the settings' own starts
-        starts |= {validate_layered(method, {**recipe.params, **s.params})["tau_init"] for s in settings}
+    starts, kept = set(), []
+    if method.spectral:  # the settings' own starts and filters
+        for s in settings:
+            params = validate_layered(method, {**recipe.params, **s.params})
+            starts.add(params["tau_init"])
+            kept += _kept(method.name, params)
     for override in recipe.overrides:  # and each spectral override's
         other = get_method(override.method or recipe.method)
         if other.spectral:
-            starts.add(validate_layered(other, override.params or {})["tau_init"])
+            params = validate_layered(other, override.params or {})
+            starts.add(params["tau_init"])
+            kept += _kept(other.name, params)
     if not starts:
         return {}
     from specmerge.tuning.cache_build import cached_layers
 
-    return cached_layers(recipe, root, sorted(starts), progress=progress, log=log)
+    return cached_layers(recipe, root, sorted(starts), kept=kept, progress=progress, log=log)
+
+
+def _kept(method: str, params: dict) -> list:
+    """What a spectral setting's filter keeps, for each value of a per-layer rank_ratio list."""
+    from specmerge.methods.spectral import kept_directions
+
+    ratios = params.get("rank_ratio")
+    if isinstance(ratios, list):
+        return [kept_directions(method, {**params, "rank_ratio": r}) for r in ratios]
+    return [kept_directions(method, params)]
 
 
 class _Merging:
