@@ -245,3 +245,26 @@ def test_float32_keeps_float64s_k_on_a_rank_deficient_c(rule):
     single, double = decompose(normal_equation(tv), partial=True), decompose(normal_equation(tv.double()))
     assert single.partial and single.error > torch.finfo(torch.float32).eps * float(single.eigenvalues[0])
     assert choose_rank(rule, single) == choose_rank(rule, double)
+
+
+def test_workers_reducing_at_once_get_serial_results_and_leave_the_blas_threads_as_they_were():
+    """Parallel merges reduce in several threads: each gets eigenpairs as accurate as a serial call's (the bits may
+    differ: BLAS may split the work otherwise under concurrent callers), and SciPy's BLAS thread count, limited to
+    torch's for the calls, is the original one afterwards (the limit is process-wide)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from threadpoolctl import threadpool_info
+
+    def blas() -> list[int]:
+        return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+    matrices = [matrix("spiked", 160, seed=s).float() for s in range(6)]
+    eigensolver.reduce(matrices[0])  # SciPy's LAPACK loaded: its BLAS is among the libraries from here on
+    before = blas()
+    with ThreadPoolExecutor(3) as pool:
+        parallel = list(pool.map(lambda C: eigensolver.reduce(C).leading_vectors(9), matrices))
+    bound = 2 * math.sqrt(160) * torch.finfo(torch.float32).eps
+    for C, vectors in zip(matrices, parallel, strict=True):
+        truth = torch.linalg.eigvalsh(C.double()).flip(0)[:9]
+        assert max(quality(C, vectors, truth)) <= bound
+    assert blas() == before

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -83,11 +84,30 @@ def _controller():  # inspecting the loaded libraries takes milliseconds: once p
     return ThreadpoolController()
 
 
+_LIMIT_LOCK = threading.Lock()
+_limit_users = 0
+_limiter = None
+
+
 @contextlib.contextmanager
 def blas_threads() -> Iterator[None]:
-    """SciPy's BLAS limited to torch's thread count (a worker of a parallel merge runs with 1) for the block."""
-    with _controller().limit(limits=torch.get_num_threads(), user_api="blas"):
+    """SciPy's BLAS limited to torch's thread count (a worker of a parallel merge runs with 1) for the block.
+
+    The limit is process-wide (OpenBLAS has one thread count): the first of concurrent callers sets it and the last
+    to leave restores it, so workers running at once never restore it under each other's calls."""
+    global _limit_users, _limiter
+    with _LIMIT_LOCK:
+        if _limit_users == 0:
+            _limiter = _controller().limit(limits=torch.get_num_threads(), user_api="blas")
+        _limit_users += 1
+    try:
         yield
+    finally:
+        with _LIMIT_LOCK:
+            _limit_users -= 1
+            if _limit_users == 0:
+                _limiter.restore_original_limits()
+                _limiter = None
 
 
 @dataclass(frozen=True)
