@@ -51,7 +51,7 @@ class Spectrum:
     computed: torch.Tensor | None = None
     accurate: bool = False
     reduction: Reduction | None = None
-    error: float = 0.0
+    error: float | None = None  # the round-off measured on the computed eigenvalues (None: not measured)
     _leading: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @functools.cached_property
@@ -73,8 +73,9 @@ class Spectrum:
     def rule_floor(self) -> float:
         """min(floor, 2 x the round-off measured on this decomposition, at least eps lambda_1): the computed
         eigenvalues of a positive semi-definite C that come out negative show how large the error is (C's null
-        space on rank-deficient layers: about half of them), and none do where every eigenvalue is resolved."""
-        return self.floor if self.accurate else min(self.floor, 2 * self.error)
+        space on rank-deficient layers: about half of them), and none do where every eigenvalue is resolved. The
+        floor itself where nothing was measured (a spectrum built by hand) or for the SVD route."""
+        return self.floor if self.accurate or self.error is None else min(self.floor, 2 * self.error)
 
     @functools.cached_property
     def rank(self) -> int:

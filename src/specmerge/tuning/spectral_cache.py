@@ -253,7 +253,7 @@ def _read_spectrum(path: Path, device: torch.device) -> Spectrum:
     reduction = Reduction.from_tensors(tensors) if "reflectors" in tensors else None
     return Spectrum(
         tensors["eigenvalues"], tensors.get("vectors"), int(meta["n_rows"]), int(meta["n_cols"]), float(meta["floor"]),
-        tensors.get("computed"), bool(meta["accurate"]), reduction, float(meta["error"]),
+        tensors.get("computed"), bool(meta["accurate"]), reduction, meta.get("error"),
     )  # fmt: skip
 
 
