@@ -50,17 +50,31 @@ def test_benchmark_end_to_end_and_rescoring_from_the_cache(world, tiny_model_dir
     assert calls == [] and again["rows"]["tsv_m"]["average"] == summary["rows"]["tsv_m"]["average"]
     assert merged == [([], []), ([], [])]  # nothing is merged again when every score is cached
 
-    # a lost val score: only that candidate is merged and scored again, with the same result
-    score_file = next((world["cache"] / "scores").glob("*/seed0-*.json"))
-    scores = json.loads(score_file.read_text())
+    # a lost val score: only that candidate is merged again, and its weights' score is found by their digest;
+    # lost from both files, it is scored again, with the same result
+    folder = next((world["cache"] / "scores").iterdir())
+    (by_setting,) = folder.glob(f"seed0-{bench.code_key()}-*.json")
+    (by_weights,) = folder.glob("seed0-*-by-weights.json")
+    scores = json.loads(by_setting.read_text())
     lost = [k for k in scores if k.startswith("tsv_m-") and k.endswith("|0.3|val")]
     assert len(lost) == 1
+    digest = scores.pop(lost[0] + "|weights")["digest"]
     del scores[lost[0]]
-    score_file.write_text(json.dumps(scores))
+    by_setting.write_text(json.dumps(scores))
     merged.clear()
     third, _ = bench.run_benchmark(world["cache"], (0, 1), log=lambda line: None, **run)
-    assert merged == [(["tsv_m"], []), ([], [])] and len(calls) == 1
+    assert merged == [(["tsv_m"], []), ([], [])] and calls == []
     assert third["rows"]["tsv_m"]["average"] == summary["rows"]["tsv_m"]["average"]
+    assert json.loads(by_setting.read_text())[lost[0] + "|weights"]["digest"] == digest
+
+    for file in (by_setting, by_weights):
+        scores = json.loads(file.read_text())
+        scores = {k: v for k, v in scores.items() if not (k.startswith(lost[0]) or k.startswith(f"{digest}|val"))}
+        file.write_text(json.dumps(scores))
+    merged.clear()
+    fourth, _ = bench.run_benchmark(world["cache"], (0, 1), log=lambda line: None, **run)
+    assert merged == [(["tsv_m"], []), ([], [])] and len(calls) == 1
+    assert fourth["rows"]["tsv_m"]["average"] == summary["rows"]["tsv_m"]["average"]
 
 
 def test_equal_validation_scores_tie_exactly_whatever_the_task_order(tmp_path, monkeypatch):

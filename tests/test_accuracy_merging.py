@@ -102,3 +102,69 @@ def test_selection_uses_val_only_and_scores_are_cached(bert, tmp_path, monkeypat
     for label, row in again["rows"].items():
         assert {**row, "seconds": None} == {**result["rows"][label], "seconds": None}
     assert [p.name for p in report.plots(summary, tmp_path)] == ["accuracy.png", "wudi_steps.png"]
+
+
+def test_a_merge_code_change_rescores_only_the_changed_weights(bert, tmp_path, monkeypatch):
+    """Scores found by the digest of the scored weights: a new code key merges again but scores only the candidates
+    whose weights changed; scores cached before digests were recorded get them on the next run."""
+    from specmerge_bench.accuracy import bench, rows
+
+    _, _, base, experts = bert
+    small = rows.method_rows(grids={"swudi": {"rank_ratio": (0.5,), "t": (300.0,)}, "exponential": {"t": (300.0,)}})
+    monkeypatch.setattr(bench, "method_rows", lambda: small)
+    monkeypatch.setattr(rows, "WUDI_STEPS", (2, 3))
+    tasks = dict(zip(KEYS, experts, strict=True))
+    name = "encoder.layer.0.attention.self.query.weight"
+    scored, merged = [], []
+
+    def score(state, split):
+        scored.append(split)
+        return {t: -float((state[name] - experts[i][name]).norm()) for i, t in enumerate(KEYS)}
+
+    def merger(nudge: str | None):
+        def merge(candidates, steps, show):
+            merged.append(len(candidates) + len(steps))
+            deltas = merge_candidates(base, experts, candidates, wudi_steps=steps, progress=False)
+            for key, delta in deltas.method.items():
+                if nudge is not None and key.startswith(f"{nudge}-"):
+                    delta[name] = delta[name] * (1 + 2**-20)  # a change at float32 rounding, as a new route makes
+            return deltas
+
+        return merge
+
+    def run(code: str, *, weights: bool = True, nudge: str | None = None):
+        scored.clear(), merged.clear()
+        cache = bench.ScoreCache(tmp_path / f"{code}.json", tmp_path / "by-weights.json" if weights else None)
+        return bench.evaluate_seed(base, tasks, score, cache, progress=False, merge=merger(nudge))
+
+    legacy = run("old", weights=False)  # scores cached by setting only, as before digests were recorded
+    total = len(scored)
+    assert total > 0 and not (tmp_path / "by-weights.json").exists()
+    again = run("old")  # same code key: merged once more to record the digests, nothing scored
+    assert merged[0] > 0 and scored == []
+    for label, row in again["rows"].items():
+        assert {**row, "seconds": None} == {**legacy["rows"][label], "seconds": None}
+    run("old")
+    assert merged == [0] and scored == []  # everything cached with digests: no merge at all
+    run("new")  # a new code key whose weights are bit for bit the old ones: merged, nothing scored
+    assert merged[0] > 0 and scored == []
+    changed = run("newer", nudge="ties")
+    ties = next(r for r in small if r.label == "ties")
+    assert len(scored) == len(ties.candidates) * len(bench.SCALES) + 1  # its val grid and its chosen test
+    assert 0 < len(scored) < total
+    assert changed["rows"]["task_arithmetic"]["test"] == legacy["rows"]["task_arithmetic"]["test"]
+
+
+def test_weights_digest_sees_every_bit_name_and_dtype():
+    from specmerge_bench.accuracy.scores import weights_digest
+
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
+    state = {"a": x, "b": torch.arange(3)}
+    same = weights_digest({"b": torch.arange(3), "a": x.clone()})
+    assert weights_digest(state) == same
+    bit = x.clone()
+    bit.view(torch.int32)[2, 3] ^= 1
+    for other in ({"a": bit, "b": state["b"]}, {"a": x.double(), "b": state["b"]}, {"c": x, "b": state["b"]},
+                  {"a": x.reshape(5, 4), "b": state["b"]}, {"a": x.t(), "b": state["b"]}):  # fmt: skip
+        assert weights_digest(other) != same
+    assert weights_digest({"a": x.to(torch.bfloat16)}) != weights_digest({"a": x.to(torch.float16)})

@@ -6,8 +6,9 @@ the best mean validation accuracy over the tasks (found by :func:`specmerge.tuni
 ``specmerge tune`` runs), and only that setting is scored on the test splits. Test accuracy is never used to
 choose anything. The AdaMerging rows (:mod:`specmerge_bench.accuracy.adamerging`) adapt the merge their anchor
 row chose on val to the unlabeled test inputs, and are scored on test like the others. Every score is cached on
-disk (keyed by the experts, the candidate, the scale, the split and a hash of the merging code), so a rerun
-only computes what is missing.
+disk (:mod:`specmerge_bench.accuracy.scores`: by the experts, the candidate, the scale, the split and a hash of
+the merging code, and by a digest of the weights scored), so a rerun only computes what is missing, and after a
+change to the merge code only the candidates whose weights changed are scored again.
 
 Rows and grids (:mod:`specmerge_bench.accuracy.rows`; stated in BENCHMARKS.md): s in SCALES for every row;
 the other grids are declared by each method's settings in the registry (SWUDI r x t, the exponential-only
@@ -19,10 +20,7 @@ defaults; the WUDI step sweep is one run per seed with snapshots. Tables and plo
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +39,7 @@ from specmerge_bench.accuracy.rows import (
     method_rows,
     step_rows,
 )
+from specmerge_bench.accuracy.scores import ScoreCache, code_key
 
 if TYPE_CHECKING:
     from specmerge_bench.accuracy.adamerging import AdaMergingStage
@@ -49,49 +48,6 @@ SCALES = (0.1, 0.2, 0.3, 0.5, 1.0)
 
 Scorer = Callable[[StateDict, str], dict[str, float]]  # (state dict, "val" | "test") -> task -> accuracy
 Merger = Callable[[Sequence[Candidate], Sequence[int], bool], MergedDeltas]  # (candidates, WUDI steps, progress)
-
-
-def code_key(track: str = "full") -> str:
-    """A hash of the code that computes merges: cached scores are reused only while it is unchanged (the LoRA
-    track's merges also run the adapter reader, the merge's compute routes and :mod:`.lora`)."""
-    import specmerge
-
-    core = Path(specmerge.__file__).resolve().parent
-    files = [
-        *sorted(core.glob("methods/**/*.py")),  # every method, whatever file it is in
-        *sorted(core.glob("linalg/**/*.py")),
-        core / "pipeline" / "plan.py",
-        core / "pipeline" / "recipe.py",
-        Path(__file__).resolve().with_name("merging.py"),
-    ]
-    if track == "lora":
-        files += [core / "io" / "peft.py", core / "pipeline" / "compute.py"]
-        files.append(Path(__file__).resolve().with_name("lora.py"))
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(file.name.encode())
-        digest.update(file.read_bytes())
-    return digest.hexdigest()[:12]
-
-
-class ScoreCache:
-    """Scores on disk, one JSON file per (experts, code) key, rewritten atomically after each new score."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.scores: dict[str, dict[str, Any]] = json.loads(path.read_text()) if path.is_file() else {}
-
-    def get(self, key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        if key not in self.scores:
-            self.put(key, compute())
-        return self.scores[key]
-
-    def put(self, key: str, value: dict[str, Any]) -> None:
-        self.scores[key] = value
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
-            json.dump(self.scores, f, indent=0, sort_keys=True)
-        os.replace(f.name, self.path)
 
 
 def evaluate_seed(
@@ -113,8 +69,10 @@ def evaluate_seed(
     ``merge`` computes the candidates' deltas (default: :func:`merge_candidates` on the experts' state dicts; the
     LoRA track's :class:`~specmerge_bench.accuracy.lora.AdapterMerger` merges adapter folders instead).
 
-    Only the candidates with a score missing from ``cache`` are merged, so a rerun over cached scores does
-    no merging at all. Merge times are cached with the scores (key ``<candidate>|merge``).
+    Only the candidates with a score (or, where ``cache`` records weights, its weights' digest) missing from
+    ``cache`` are merged, so a rerun over cached scores does no merging at all; a merged candidate whose weights
+    ``cache`` has scored under another code key is not scored again. Merge times are cached with the scores (key
+    ``<candidate>|merge``).
     """
     tasks = list(experts)
     rows = method_rows() + step_rows()
@@ -130,9 +88,13 @@ def evaluate_seed(
     for key in merged:
         routes = {"routes": deltas.routes[key]} if key in deltas.routes else {}
         cache.put(f"{key}|merge", {"seconds": deltas.seconds[key], **routes})
+    base_scores = {
+        split: cache.scored(f"base|{split}", lambda: base, lambda st, s=split: score(st, s), split)
+        for split in ("val", "test")
+    }
     result: dict[str, Any] = {
         "tasks": tasks,
-        "base": {split: cache.get(f"base|{split}", lambda s=split: score(base, s)) for split in ("val", "test")},
+        "base": base_scores,
         "experts": {},
         "rows": {},
         "merge_seconds": {k[: -len("|merge")]: v["seconds"] for k, v in cache.scores.items() if k.endswith("|merge")},
@@ -140,7 +102,7 @@ def evaluate_seed(
     }
     for task, state in experts.items():
         own = expert_scores[task] if expert_scores is not None else {
-            split: cache.get(f"expert-{task}|{split}", lambda s=split, st=state: score(st, s))
+            split: cache.scored(f"expert-{task}|{split}", lambda st=state: st, lambda st, s=split: score(st, s), split)
             for split in ("val", "test")
         }  # fmt: skip
         result["experts"][task] = {"val": own["val"][task], "test": own["test"][task]}
@@ -159,23 +121,24 @@ def missing_candidates(
     with ``adamerging``, those :func:`adamerge_row` would have to merge (an anchor's val scores or its result)."""
     out = []
     for row in rows:
-        lacking = [c for c in row.candidates if any(f"{c.key}|{s}|val" not in cache.scores for s in SCALES)]
+        lacking = [c for c in row.candidates if not all(cache.has(f"{c.key}|{s}|val") for s in SCALES)]
         if not lacking:
             _, best, scale = best_on_val(row, cache)
-            if f"{best.key}|{scale}|test" not in cache.scores:
+            if not cache.has(f"{best.key}|{scale}|test"):
                 lacking = [best]
         known = tuple(c for c in row.candidates if c not in lacking)
         if adamerging is not None and known and any(ada.anchor == row.label for ada in ADAMERGING_ROWS):
             # the choice is the best of the known val scores, or one of the lacking candidates (merged anyway)
             _, best, scale = best_on_val(Row(row.label, row.title, known), cache)
-            if best not in lacking and (lacking or adamerging_key(best, scale, adamerging) not in cache.scores):
+            if best not in lacking and (lacking or not cache.has(adamerging_key(best, scale, adamerging))):
                 lacking = [*lacking, best]
         out += [c for c in lacking if all(c.key != o.key for o in out)]
     return out
 
 
-def best_on_val(row: Row, cache: ScoreCache, score: Callable[[Candidate, float], dict[str, float]] | None = None):
-    """(mean val accuracy, candidate, scale) of the best setting of ``row``; ``score`` fills missing val scores.
+def best_on_val(row: Row, cache: ScoreCache, score: Callable[[str, Candidate, float], dict[str, float]] | None = None):
+    """(mean val accuracy, candidate, scale) of the best setting of ``row``; ``score(key, candidate, scale)`` gives
+    each val score (cached or not; without it, every val score must be cached).
 
     The settings are candidate x scale in grid order, searched by :func:`specmerge.tuning.search.search` (a grid,
     maximising the mean val accuracy over the tasks): of equal scores, the first wins.
@@ -186,7 +149,7 @@ def best_on_val(row: Row, cache: ScoreCache, score: Callable[[Candidate, float],
     def val_mean(setting: Setting, budget: float) -> float:
         candidate, scale = candidates[setting.params["candidate"]], setting.params["scale"]
         key = f"{candidate.key}|{scale}|val"
-        val = cache.get(key, lambda: score(candidate, scale)) if score else cache.scores[key]
+        val = score(key, candidate, scale) if score else cache.scores[key]
         return exact_mean(list(val.values()))
 
     best, value = search(settings, val_mean, Strategy("grid", maximize=True))
@@ -195,8 +158,12 @@ def best_on_val(row: Row, cache: ScoreCache, score: Callable[[Candidate, float],
 
 def choose(row: Row, base: StateDict, deltas: MergedDeltas, score: Scorer, cache: ScoreCache) -> dict[str, Any]:
     """The (candidate, scale) of ``row`` with the best mean validation accuracy, and its test accuracies."""
-    val_mean, candidate, scale = best_on_val(row, cache, lambda c, s: score(deltas.state(base, c, s), "val"))
-    test = cache.get(f"{candidate.key}|{scale}|test", lambda: score(deltas.state(base, candidate, scale), "test"))
+
+    def scored(key: str, candidate: Candidate, scale: float, split: str) -> dict[str, float]:
+        return cache.scored(key, lambda: deltas.state(base, candidate, scale), lambda st: score(st, split), split)
+
+    val_mean, candidate, scale = best_on_val(row, cache, lambda key, c, s: scored(key, c, s, "val"))
+    test = scored(f"{candidate.key}|{scale}|test", candidate, scale, "test")
     merge = cache.scores.get(f"{candidate.key}|merge", {}).get("seconds")
     return {"title": row.title, "choice": candidate.describe(), "scale": scale, "val_mean": val_mean, "test": test,
             "seconds": merge}  # fmt: skip
@@ -219,11 +186,14 @@ def adamerge_row(
     """AdaMerging from the (candidate, scale) ``anchor`` chose on val, its test accuracies and what it learned."""
     _, candidate, scale = best_on_val(anchor, cache)
 
-    def compute() -> dict[str, Any]:
-        adapted, record = stage.adapt(base, deltas.state(base, candidate, scale), progress=progress)
+    def compute(merged: StateDict) -> dict[str, Any]:
+        adapted, record = stage.adapt(base, merged, progress=progress)
         return {**record, "test": score(adapted, "test")}
 
-    record = cache.get(adamerging_key(candidate, scale, stage), compute)
+    def merged() -> StateDict:
+        return deltas.state(base, candidate, scale)
+
+    record = cache.scored(adamerging_key(candidate, scale, stage), merged, compute, f"{stage.key}|test")
     return {"title": ada.title, "anchor": anchor.label, "choice": f"AdaMerging({stage.settings.describe()}) on "
             f"{candidate.describe()}", "scale": scale, "val_mean": None, "test": record["test"],
             "seconds": record["seconds"], "coefficients": record["coefficients"],
@@ -337,7 +307,8 @@ def _run_benchmark(
         else:
             experts = load_experts(built, seed, base)
         named = f"seed{seed}-{code_key(track)}-{accuracy_precision.tag()}.json"
-        cache = ScoreCache(cache_dir / "scores" / experts_key / named)
+        by_weights = cache_dir / "scores" / experts_key / f"seed{seed}-{accuracy_precision.tag()}-by-weights.json"
+        cache = ScoreCache(cache_dir / "scores" / experts_key / named, by_weights)
         per_seed.append(evaluate_seed(base, experts, score, cache, adamerging=stage, progress=progress,
                                       expert_scores=built["experts"][seed], merge=merge))  # fmt: skip
         seconds[f"merge and score, seed {seed}"] = time.perf_counter() - start

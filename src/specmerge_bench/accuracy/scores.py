@@ -1,0 +1,129 @@
+"""The accuracy benchmark's score cache: by setting under one merge code, and by the weights that were scored.
+
+Two JSON files per seed, both under ``scores/<experts key>/``:
+
+- ``seed<k>-<code key>-<precision tag>.json``: ``<candidate>|<scale>|<split>`` -> task -> accuracy, as the merge
+  code of that code key (:func:`code_key`) computed it, and next to each, ``...|weights``: the digest of the
+  state dict that was scored (:func:`weights_digest`). A rerun under the same code merges nothing it has.
+- ``seed<k>-<precision tag>-by-weights.json``: ``<digest>|<what>`` -> the same values, whatever code produced
+  the weights. After a change to the merge code the candidates are merged again, and only those whose weights
+  changed by a bit are scored again: a change that moves one method's outputs re-scores that method only.
+
+A score depends on the scored weights, the tasks, the probe heads and the precision: the first is the digest,
+the others are in the folder and file names. Two equal digests are two equal state dicts (names, dtypes, shapes
+and every byte), so a value found by digest is the value a new scoring would give on this machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+StateDict = Mapping[str, torch.Tensor]
+
+
+def code_key(track: str = "full") -> str:
+    """A hash of the code that computes merges: cached scores are reused by setting only while it is unchanged
+    (the LoRA track's merges also run the adapter reader, the merge's compute routes and :mod:`.lora`)."""
+    import specmerge
+
+    core = Path(specmerge.__file__).resolve().parent
+    here = Path(__file__).resolve()
+    files = [
+        *sorted(core.glob("methods/**/*.py")),  # every method, whatever file it is in
+        *sorted(core.glob("linalg/**/*.py")),
+        core / "pipeline" / "plan.py",
+        core / "pipeline" / "recipe.py",
+        here.with_name("merging.py"),
+    ]
+    if track == "lora":
+        files += [core / "io" / "peft.py", core / "pipeline" / "compute.py", here.with_name("lora.py")]
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def weights_digest(state: StateDict) -> str:
+    """A hash of a state dict: every tensor's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(state):
+        tensor = state[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+class JsonStore:
+    """A dict on disk in one JSON file, rewritten atomically after each new entry."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.scores: dict[str, dict[str, Any]] = json.loads(path.read_text()) if path.is_file() else {}
+
+    def get(self, key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        if key not in self.scores:
+            self.put(key, compute())
+        return self.scores[key]
+
+    def put(self, key: str, value: dict[str, Any]) -> None:
+        self.scores[key] = value
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(self.scores, f, indent=0, sort_keys=True)
+        os.replace(f.name, self.path)
+
+
+class ScoreCache(JsonStore):
+    """Scores by setting (this file, one per experts, seed, code and precision) and, with ``by_weights``, by the
+    digest of the weights scored (one file shared by every code key)."""
+
+    def __init__(self, path: Path, by_weights: Path | None = None) -> None:
+        super().__init__(path)
+        self.by_weights = JsonStore(by_weights) if by_weights is not None else None
+
+    def has(self, key: str) -> bool:
+        """Whether ``key`` is cached, with the digest of its weights where weights are recorded."""
+        return key in self.scores and (self.by_weights is None or f"{key}|weights" in self.scores)
+
+    def scored(
+        self,
+        key: str,
+        state: Callable[[], StateDict],
+        compute: Callable[[StateDict], dict[str, Any]],
+        what: str,
+    ) -> dict[str, Any]:
+        """The value of ``key``; else the value recorded for the weights ``state()`` returns, computed by
+        ``compute(weights)`` only where no cached value has those weights. ``what`` names the computation
+        (``val``, ``test``, an AdaMerging stage's key) in the digest's key.
+
+        A value cached by setting before weights were recorded is kept, and its weights' digest recorded (under
+        the same code key, the same code made them), so that the next code key finds it by digest.
+        """
+        if self.has(key):
+            return self.scores[key]
+        weights = state()
+        if self.by_weights is None:
+            self.put(key, compute(weights))
+            return self.scores[key]
+        digest = weights_digest(weights)
+        content = f"{digest}|{what}"
+        if key in self.scores:
+            value = self.scores[key]
+        elif content in self.by_weights.scores:
+            value = self.by_weights.scores[content]
+        else:
+            value = compute(weights)
+        if content not in self.by_weights.scores:
+            self.by_weights.put(content, value)
+        self.scores[f"{key}|weights"] = {"digest": digest}
+        self.put(key, value)
+        return value
