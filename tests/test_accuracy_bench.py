@@ -48,10 +48,10 @@ def test_benchmark_end_to_end_and_rescoring_from_the_cache(world, tiny_model_dir
     monkeypatch.setattr(bench, "merge_candidates", recording_merge)
     again, _ = bench.run_benchmark(world["cache"], (0, 1), log=lambda line: None, **run)
     assert calls == [] and again["rows"]["tsv_m"]["average"] == summary["rows"]["tsv_m"]["average"]
-    assert merged == [([], []), ([], [])]  # nothing is merged again when every score is cached
+    assert merged == []  # nothing is merged again when every score is cached
 
-    # a lost val score: only that candidate is merged again, and its weights' score is found by their digest;
-    # lost from both files, it is scored again, with the same result
+    # a lost val score: that candidate's merge is read from disk (or, its file lost too, merged again), and its
+    # weights' score is found by their digest; lost from both score files, it is scored again, with the same result
     folder = next((world["cache"] / "scores").iterdir())
     (by_setting,) = folder.glob(f"seed0-{bench.code_key()}-*.json")
     (by_weights,) = folder.glob("seed0-*-by-weights.json")
@@ -63,7 +63,14 @@ def test_benchmark_end_to_end_and_rescoring_from_the_cache(world, tiny_model_dir
     by_setting.write_text(json.dumps(scores))
     merged.clear()
     third, _ = bench.run_benchmark(world["cache"], (0, 1), log=lambda line: None, **run)
-    assert merged == [(["tsv_m"], []), ([], [])] and calls == []
+    assert merged == [] and calls == []  # the merge from disk, the score by digest
+    (stored,) = (world["cache"] / "merges").glob(f"*/seed0-{bench.code_key()}-*/{lost[0].split('|')[0]}.safetensors")
+    stored.unlink()
+    scores = json.loads(by_setting.read_text())
+    scores.pop(lost[0]), scores.pop(lost[0] + "|weights")
+    by_setting.write_text(json.dumps(scores))
+    third, _ = bench.run_benchmark(world["cache"], (0, 1), log=lambda line: None, **run)
+    assert merged == [(["tsv_m"], [])] and calls == []  # merged again: the same bits, so the score by digest
     assert third["rows"]["tsv_m"]["average"] == summary["rows"]["tsv_m"]["average"]
     assert json.loads(by_setting.read_text())[lost[0] + "|weights"]["digest"] == digest
 
@@ -73,7 +80,7 @@ def test_benchmark_end_to_end_and_rescoring_from_the_cache(world, tiny_model_dir
         file.write_text(json.dumps(scores))
     merged.clear()
     fourth, _ = bench.run_benchmark(world["cache"], (0, 1), log=lambda line: None, **run)
-    assert merged == [(["tsv_m"], []), ([], [])] and len(calls) == 1
+    assert merged == [] and len(calls) == 1
     assert fourth["rows"]["tsv_m"]["average"] == summary["rows"]["tsv_m"]["average"]
 
 

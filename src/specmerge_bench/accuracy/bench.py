@@ -20,6 +20,7 @@ defaults; the WUDI step sweep is one run per seed with snapshots. Tables and plo
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from specmerge.tuning.search import Strategy, search
 from specmerge.tuning.space import Setting
+from specmerge_bench.accuracy.merge_store import MergeStore, stored_merge
 from specmerge_bench.accuracy.merging import Candidate, MergedDeltas, StateDict, merge_candidates
 from specmerge_bench.accuracy.precision import PRECISIONS
 from specmerge_bench.accuracy.report import exact_mean, markdown, plots, summarize
@@ -79,9 +81,7 @@ def evaluate_seed(
     needed = {c.key: c for c in missing_candidates(rows, cache, adamerging)}
     wudi_steps = sorted({c.params["steps"] for c in needed.values() if c.method == "wudi"})  # one run, snapshots
     if merge is None:
-
-        def merge(candidates: Sequence[Candidate], steps: Sequence[int], show: bool) -> MergedDeltas:
-            return merge_candidates(base, list(experts.values()), candidates, wudi_steps=steps, progress=show)
+        merge = functools.partial(full_merge, base, list(experts.values()))
 
     deltas = merge([c for c in needed.values() if c.method != "wudi"], wudi_steps, progress and bool(needed))
     merged = [c.key for c in needed.values() if c.method != "wudi"] + (["wudi_steps"] if wudi_steps else [])
@@ -112,6 +112,13 @@ def evaluate_seed(
             if ada.anchor == row.label:
                 result["rows"][ada.label] = adamerge_row(ada, row, base, deltas, score, cache, adamerging, progress)
     return result
+
+
+def full_merge(
+    base: StateDict, experts: Sequence[StateDict], candidates: Sequence[Candidate], steps: Sequence[int], show: bool
+) -> MergedDeltas:
+    """The full track's :data:`Merger`: :func:`merge_candidates` on the experts' state dicts."""
+    return merge_candidates(base, experts, candidates, wudi_steps=steps, progress=show)
 
 
 def missing_candidates(
@@ -273,6 +280,8 @@ def _run_benchmark(
 ) -> tuple[dict[str, Any], Path]:
     import time
 
+    import torch
+
     from specmerge_bench.accuracy import model as accuracy_model
     from specmerge_bench.accuracy import precision as accuracy_precision
     from specmerge_bench.accuracy.adamerging import AdaMergingStage
@@ -306,6 +315,10 @@ def _run_benchmark(
             merge = AdapterMerger(base_dir, base, list(folders.values()), list(experts.values()))
         else:
             experts = load_experts(built, seed, base)
+            merge = functools.partial(full_merge, base, list(experts.values()))
+        capability = torch.backends.cpu.get_cpu_capability()
+        store = MergeStore(cache_dir / "merges" / experts_key / f"seed{seed}-{code_key(track)}-{capability}")
+        merge = stored_merge(merge, store)
         named = f"seed{seed}-{code_key(track)}-{accuracy_precision.tag()}.json"
         by_weights = cache_dir / "scores" / experts_key / f"seed{seed}-{accuracy_precision.tag()}-by-weights.json"
         cache = ScoreCache(cache_dir / "scores" / experts_key / named, by_weights)
@@ -333,8 +346,8 @@ def _run_benchmark(
 def configure(parser: argparse.ArgumentParser) -> None:
     """The options of ``specmerge-bench accuracy``; the parsed arguments go to :func:`run`."""
     parser.add_argument("--cache", required=True, type=Path,
-                        help="cache folder, created if missing: sources/, tasks/, tokens/, probes/, experts/, scores/, "
-                             "results/ (reuse it: every stage is cached by its inputs)")  # fmt: skip
+                        help="cache folder, created if missing: sources/, tasks/, tokens/, probes/, experts/, merges/, "
+                             "scores/, results/ (reuse it: every stage is cached by its inputs)")  # fmt: skip
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds (default 0 1 2)")
     parser.add_argument("--steps", type=int, default=800, help="fine-tuning steps per expert (default 800)")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto",
