@@ -1,0 +1,174 @@
+"""SWUDI-A (psqrt) and SWUDI (r = 0.65) per layer against the compute floor of a spectral merge before issue 23.
+
+    python bench/compute_floor.py [--large] [--qwen] [--experts FOLDER] [--models DIR] [--repeats 3]
+
+The floor is what one spectral merge of a layer cost before the partial eigensolver, each part timed alone with
+torch: C = sum_i tau_i^T tau_i / n_i by one GEMM (M^T M, M the stack over sqrt(n_i), formed beforehand), D =
+sum_i tau_i A_i by the cheaper order (one expert at a time, general products), and torch.linalg.eigh(C). Against
+it, best of --repeats: the whole SWUDI-A and SWUDI merges of the layer (``specmerge.methods``, float32, default
+parameters but r), the ratio, and each one's K. Layers:
+
+- synthetic experts like real fine-tunes (``specmerge-bench speed``'s: rank-64 signal + noise): the CLIP-ViT-B/32
+  shapes 768 x 768, 3072 x 768 and 768 x 3072 (N = 8) at noise 0.2 (psqrt keeps about 29 %) and 0.01 (16 %);
+  ``--large``: Llama-3.2-3B's down_proj, 3072 x 8192, N = 4 (about 10 minutes on 2 cores); ``--qwen``: Qwen2-7B's,
+  3584 x 18944, N = 4 (about an hour, 6 GB);
+- ``--experts FOLDER``: real experts, one folder per expert (``model.safetensors``) fine-tuned from ``--base``
+  (default: the accuracy benchmark's pinned MiniLM); one layer of each shape, from the last block.
+
+``--models DIR`` (``bench/memory.py generate``'s layout: base/, expert0/ ...) adds a whole-model SWUDI-A merge,
+run twice in this process: with the partial eigensolver, and with it switched off (every layer through eigh, as
+before issue 23); seconds of each and the largest relative difference of a merged tensor.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from specmerge.linalg import eigensolver
+from specmerge.methods import get_method
+from specmerge_bench.inputs import Parser, fail, model_family, model_folder
+from specmerge_bench.speed import best_seconds as best
+from specmerge_bench.speed import synthetic_stack
+
+SHAPES = [(8, d_out, d_in, noise) for noise in (0.2, 0.01) for d_out, d_in in ((768, 768), (3072, 768), (768, 3072))]
+LARGE = (4, 3072, 8192, 0.2)
+QWEN = (4, 3584, 18944, 0.2)
+METHODS = (("swudi_a", {}), ("swudi", {"rank_ratio": 0.65}))
+
+
+def floor_parts(stack: torch.Tensor, repeats: int) -> tuple[float, float, float]:
+    """Seconds of C by one GEMM, D by the cheaper order, and eigh(C), as a spectral merge formed them before."""
+    norms_sq = stack.flatten(1).pow(2).sum(1)
+    M = (stack / norms_sq.sqrt()[:, None, None]).reshape(-1, stack.shape[2])
+    t_c, C = best(lambda: M.T @ M, repeats)
+
+    def d_by_products() -> torch.Tensor:
+        D = stack.new_zeros(stack.shape[1:])
+        for tau_i, n_i in zip(stack, norms_sq, strict=True):
+            if stack.shape[1] < stack.shape[2]:
+                D += (tau_i @ tau_i.T) @ tau_i / n_i
+            else:
+                D += tau_i @ (tau_i.T @ tau_i) / n_i
+        return D
+
+    t_d, _ = best(d_by_products, repeats)
+    t_eigh, _ = best(lambda: torch.linalg.eigh(C), repeats)
+    return t_c, t_d, t_eigh
+
+
+def layer_row(name: str, stack: torch.Tensor, repeats: int) -> str:
+    t_c, t_d, t_eigh = floor_parts(stack, repeats)
+    floor = t_c + t_d + t_eigh
+    cells = [name, f"{t_c:.2f}", f"{t_d:.2f}", f"{t_eigh:.2f}", f"{floor:.2f}"]
+    for method, params in METHODS:
+        seconds, result = best(lambda m=method, p=params: get_method(m)(stack, **p), repeats)
+        cells += [f"{seconds:.2f}", f"{seconds / floor:.2f}", str(result.diagnostics["kept_rank"])]
+    return "| " + " | ".join(cells) + " |"
+
+
+def expert_stacks(parser: Parser, folder: Path, base: Path | None) -> list[tuple[str, torch.Tensor]]:
+    """One layer of each shape of the last block: (name, N x d_out x d_in task vectors), float32."""
+    from safetensors import safe_open
+
+    if base is None:
+        from specmerge_bench.accuracy.base_model import load_base_model_path
+
+        base = load_base_model_path()
+    base = model_folder(parser, base, "--base")
+    experts = sorted(p for p in folder.iterdir() if (p / "model.safetensors").is_file()) if folder.is_dir() else []
+    if len(experts) < 2:
+        fail(parser.prog, f"--experts {folder} must hold at least two expert folders with model.safetensors")
+    with safe_open(base / "model.safetensors", "pt") as f:
+        weights = {k: f.get_tensor(k) for k in list(f.keys()) if k.endswith(".weight")}
+    with safe_open(experts[0] / "model.safetensors", "pt") as f:
+        tuned = list(f.keys())  # layers the experts hold (a base may have more, e.g. a pooler)
+    matrices = {k: v for k, v in weights.items()
+                if v.dim() == 2 and "embed" not in k and any(t.endswith(k) for t in tuned)}  # fmt: skip
+    chosen: dict[tuple[int, ...], str] = {}
+    for key in sorted(matrices, key=lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)]):
+        chosen[tuple(matrices[key].shape)] = key  # the last block's layer of each shape
+    stacks = []
+    for shape, key in sorted(chosen.items()):
+        rows = []
+        for expert in experts:
+            with safe_open(expert / "model.safetensors", "pt") as f:
+                names = list(f.keys())
+                name = key if key in names else next((k for k in names if k.endswith(key)), None)
+                if name is None:
+                    fail(parser.prog, f"{expert / 'model.safetensors'} has no tensor {key} (the base has it)")
+                rows.append(f.get_tensor(name).float() - matrices[key].float())
+        stacks.append((f"{key} {shape[0]} x {shape[1]}, N = {len(experts)}", torch.stack(rows)))
+    return stacks
+
+
+def whole_model(models: Path, parser: Parser) -> None:
+    from safetensors.torch import load_file
+
+    from specmerge import merge
+
+    base, experts = model_family(parser, models, generate="python bench/memory.py generate --models DIR")
+    print(f"## Whole-model SWUDI-A (psqrt), {models}: {len(experts)} experts\n")
+    print("| route | seconds |\n|---|---:|")
+    outputs = {}
+    with tempfile.TemporaryDirectory(dir=models.parent) as work:
+        for route in ("partial", "eigh"):
+            size = eigensolver.PARTIAL_MIN_SIZE
+            eigensolver.PARTIAL_MIN_SIZE = size if route == "partial" else 10**9
+            try:
+                start = time.perf_counter()
+                out = Path(work) / route
+                merge(base, experts, out, method="swudi_a", progress=False, threads=torch.get_num_threads())
+                seconds = time.perf_counter() - start
+            finally:
+                eigensolver.PARTIAL_MIN_SIZE = size
+            print(f"| {route} | {seconds:.1f} |", flush=True)
+            outputs[route] = Path(work) / route
+        worst, where = 0.0, ""
+        for shard in sorted(outputs["partial"].glob("*.safetensors")):
+            a, b = load_file(shard), load_file(outputs["eigh"] / shard.name)
+            for key, tensor in a.items():
+                change = (tensor.double() - b[key].double()).norm() / b[key].double().norm().clamp_min(1e-300)
+                if float(change) > worst:
+                    worst, where = float(change), key
+    print(f"\nlargest relative difference of a merged tensor, partial against eigh: {worst:.1e} ({where})\n")
+
+
+def main() -> None:
+    parser = Parser(prog="compute_floor.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="runs per step, the best kept (default 3)")
+    parser.add_argument("--large", action="store_true", help="add a 3072 x 8192 down_proj layer (N = 4)")
+    parser.add_argument("--qwen", action="store_true", help="add a 3584 x 18944 down_proj layer (N = 4)")
+    parser.add_argument("--synthetic", action="store_true", help="the CLIP-shaped synthetic layers (default: "
+                        "on unless --experts or --models is given)")  # fmt: skip
+    parser.add_argument("--experts", type=Path, help="a folder of real expert folders (model.safetensors each)")
+    parser.add_argument("--base", type=Path, help="their base model folder (default: the pinned MiniLM)")
+    parser.add_argument("--models", type=Path, help="whole-model merges of this base/ + expert*/ set, both routes")
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    synthetic = args.synthetic or not (args.experts or args.models or args.large or args.qwen)
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, float32, best of {args.repeats}\n")
+    rows = [(n, d_out, d_in, noise) for n, d_out, d_in, noise in SHAPES if synthetic]
+    rows += [LARGE] if args.large else []
+    rows += [QWEN] if args.qwen else []
+    layers = [(f"{d_out} x {d_in}, N = {n}, noise {noise}", lambda s=(n, d_out, d_in, noise): synthetic_stack(
+        s[0], s[1], s[2], rank=64, noise=s[3])) for n, d_out, d_in, noise in rows]  # fmt: skip
+    if args.experts is not None:
+        layers += [(name, lambda s=stack: s) for name, stack in expert_stacks(parser, args.experts, args.base)]
+    if layers:
+        print("| layer | C (GEMM) | D | eigh | floor | SWUDI-A | / floor | K | SWUDI r 0.65 | / floor | K |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for name, make in layers:
+            print(layer_row(name, make(), args.repeats), flush=True)
+        print()
+    if args.models is not None:
+        whole_model(args.models, parser)
+
+
+if __name__ == "__main__":
+    main()
