@@ -3,6 +3,7 @@ whose test labels raise if read while AdaMerging runs."""
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -172,11 +173,13 @@ def test_adamerging_rows_never_read_a_test_label(world, tiny_model_dir, monkeypa
         assert per_seed[ada.anchor]["choice"] in per_seed[ada.label]["choice"]
 
     # 0 steps is the merge itself: the same test accuracies, a change of exactly 0; a new setting is a new cache
-    # key, so only the anchors' chosen merges are made again, and only the two adapted models are scored
+    # key, so only the anchors' chosen merges are made again (the merges kept on disk removed first), and only the
+    # two adapted models are scored
     merged, scored = [], []
     merge, evaluate = bench.merge_candidates, accuracy_model.evaluate
     monkeypatch.setattr(bench, "merge_candidates", lambda b, e, c, **k: merged.append(c) or merge(b, e, c, **k))
     monkeypatch.setattr(accuracy_model, "evaluate", lambda *a, **k: scored.append(a[3]) or evaluate(*a, **k))
+    shutil.rmtree(world["cache"] / "merges")
     again, _ = bench.run_benchmark(
         world["cache"], (0,), adamerging=rows.AdaMergingSettings(steps=0), log=lambda line: None, **run
     )
