@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from specmerge.tuning.search import Strategy, search
 from specmerge.tuning.space import Setting
-from specmerge_bench.accuracy.merge_store import MergeStore, stored_merge
+from specmerge_bench.accuracy.merge_store import Merger, MergeStore, stored_merge
 from specmerge_bench.accuracy.merging import Candidate, MergedDeltas, StateDict, merge_candidates
 from specmerge_bench.accuracy.precision import PRECISIONS
 from specmerge_bench.accuracy.report import exact_mean, markdown, plots, summarize
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 SCALES = (0.1, 0.2, 0.3, 0.5, 1.0)
 
 Scorer = Callable[[StateDict, str], dict[str, float]]  # (state dict, "val" | "test") -> task -> accuracy
-Merger = Callable[[Sequence[Candidate], Sequence[int], bool], MergedDeltas]  # (candidates, WUDI steps, progress)
 
 
 def evaluate_seed(
@@ -88,23 +87,23 @@ def evaluate_seed(
     for key in merged:
         routes = {"routes": deltas.routes[key]} if key in deltas.routes else {}
         cache.put(f"{key}|merge", {"seconds": deltas.seconds[key], **routes})
-    base_scores = {
-        split: cache.scored(f"base|{split}", lambda: base, lambda st, s=split: score(st, s), split)
-        for split in ("val", "test")
-    }
+
+    def both_splits(name: str, state: StateDict) -> dict[str, dict[str, float]]:
+        return {
+            split: cache.scored(f"{name}|{split}", lambda: state, lambda st, s=split: score(st, s), split)
+            for split in ("val", "test")
+        }
+
     result: dict[str, Any] = {
         "tasks": tasks,
-        "base": base_scores,
+        "base": both_splits("base", base),
         "experts": {},
         "rows": {},
         "merge_seconds": {k[: -len("|merge")]: v["seconds"] for k, v in cache.scores.items() if k.endswith("|merge")},
         "routes": {k[: -len("|merge")]: v["routes"] for k, v in cache.scores.items() if "routes" in v},
     }
     for task, state in experts.items():
-        own = expert_scores[task] if expert_scores is not None else {
-            split: cache.scored(f"expert-{task}|{split}", lambda st=state: st, lambda st, s=split: score(st, s), split)
-            for split in ("val", "test")
-        }  # fmt: skip
+        own = expert_scores[task] if expert_scores is not None else both_splits(f"expert-{task}", state)
         result["experts"][task] = {"val": own["val"][task], "test": own["test"][task]}
     for row in rows:
         result["rows"][row.label] = choose(row, base, deltas, score, cache)

@@ -3,8 +3,9 @@
 The merge stage of one seed takes about half an hour on 2 cores (the WUDI sweep to 5,000 steps alone about
 15 minutes), and a long benchmark run is often stopped before its scoring ends (a session ends, the machine is
 needed). :func:`stored_merge` wraps a merger so that every candidate it computes is written to
-``merges/<experts key>/seed<k>-<code key>/<candidate>.safetensors`` as soon as its merge call returns (the
-candidates first, then the WUDI sweep, so a stop during the sweep keeps the others), and is read back next time.
+``merges/<experts key>/seed<k>-<code key>-<CPU capability>/<candidate>.safetensors`` as soon as its merge call
+returns (the candidates first, then the WUDI sweep, so a stop during the sweep keeps the others), and is read back
+next time.
 The code key (:func:`specmerge_bench.accuracy.scores.code_key`) is in the folder name: a change to the merge code
 merges again. Files are written to a temporary name and renamed into place, so a stop leaves no half-written one.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from safetensors import safe_open
@@ -56,8 +57,11 @@ class MergeStore:
             into.routes[key] = meta["routes"]
 
 
-def stored_merge(merge, store: MergeStore):
-    """``merge`` (a :data:`~specmerge_bench.accuracy.bench.Merger`) whose results are kept in ``store``."""
+Merger = Callable[[Sequence[Candidate], Sequence[int], bool], MergedDeltas]  # (candidates, WUDI steps, progress)
+
+
+def stored_merge(merge: Merger, store: MergeStore) -> Merger:
+    """``merge`` (a :data:`Merger`) whose results are kept in ``store``."""
 
     def run(candidates: Sequence[Candidate], steps: Sequence[int], progress: bool) -> MergedDeltas:
         sweep = {s: Candidate("wudi_steps", "wudi", {"steps": s}).key for s in steps}

@@ -69,11 +69,6 @@ class JsonStore:
         self.path = path
         self.scores: dict[str, dict[str, Any]] = json.loads(path.read_text()) if path.is_file() else {}
 
-    def get(self, key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        if key not in self.scores:
-            self.put(key, compute())
-        return self.scores[key]
-
     def put(self, key: str, value: dict[str, Any]) -> None:
         self.scores[key] = value
         self.path.parent.mkdir(parents=True, exist_ok=True)
