@@ -31,8 +31,10 @@ def partial_on_small_layers(monkeypatch):
 def stack(n: int, d_out: int, d_in: int, seed: int, dtype=torch.float32) -> torch.Tensor:
     """Low rank plus noise, like fine-tunes: a head of large eigenvalues and a noise bulk."""
     g = torch.Generator().manual_seed(seed)
-    low = [torch.randn(d_out, 6, generator=g, dtype=torch.float64) @ torch.randn(6, d_in, generator=g, dtype=torch.float64)
-           for _ in range(n)]  # fmt: skip
+    f64 = torch.float64
+    low = [
+        torch.randn(d_out, 6, generator=g, dtype=f64) @ torch.randn(6, d_in, generator=g, dtype=f64) for _ in range(n)
+    ]
     noise = torch.randn(n, d_out, d_in, generator=g, dtype=torch.float64)
     return (0.05 * torch.stack(low) + 0.01 * noise).to(dtype)
 
@@ -96,7 +98,7 @@ def test_the_norm_estimate_is_close_to_the_norm_of_d():
     for seed in range(4):
         tv = stack(4, 16, 48, seed=10 + seed)
         eq = normal_equation(tv)
-        estimate = RightHandSide(eq, None).d_norm(partial=True)
+        estimate = RightHandSide(eq, None).d_norm_estimate
         assert not eq.has_D
         exact = float(normal_equation(tv.double()).D.norm())
         # s = 16 Gaussian probes: ||D G||_F^2 / s has a relative spread of at most sqrt(2 / s) = 0.35 (chi-square)
@@ -136,6 +138,9 @@ def test_the_route_does_not_depend_on_what_was_asked_before():
     assert first.uses_product(4) and not eq.has_D
     large = 40
     assert not first.uses_product(large)
+    # the rounding test reads the estimate of ||D||_F on the product route only; the B route forms D anyway
+    assert first.estimates_d_norm(4) and not first.estimates_d_norm(large)
+    assert first.norm_of_D(4) == first.fresh.d_norm_estimate and not eq.has_D
     first.all_columns(large)  # the B route: forms D and B
     assert eq.has_D
     again = fresh_projection(RightHandSide(eq, tv.sum(0)), spectrum)

@@ -67,17 +67,16 @@ class RightHandSide:
         DX = self.eq.D_times(X)
         return DX if self.start is None else DX - self.start @ (self.eq.C @ X)
 
-    def d_norm(self, partial: bool) -> float:
-        """||D||_F, for the rounding test: exact where D is formed anyway; where the product route may serve a
-        partial spectrum and D is not formed (d_out < d_in), a fixed-seed estimate ||D G||_F / sqrt(s) from
-        s = NORM_PROBES Gaussian columns (relative error about 1 / sqrt(2 s), enough for a round-off level)."""
+    @functools.cached_property
+    def d_norm(self) -> float:
+        """||D||_F (D formed if it was not)."""
+        return float(self.eq.D.norm())
+
+    @functools.cached_property
+    def d_norm_estimate(self) -> float:
+        """||D||_F without forming D: a fixed-seed estimate ||D G||_F / sqrt(s) from s = NORM_PROBES Gaussian
+        columns (relative spread at most sqrt(2 / s) on ||D||_F^2), enough for a round-off level."""
         eq = self.eq
-        if (
-            not partial
-            or eq.d_out >= eq.d_in
-            or not product_pays(eq.n_experts, eq.d_out, eq.d_in, 1, self.start is not None)
-        ):
-            return float(eq.D.norm())
         probes = torch.randn(eq.d_in, NORM_PROBES, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
         DG = eq.D_times(probes.to(device=eq.tau.device, dtype=eq.tau.dtype))
         return float(DG.double().norm()) / math.sqrt(NORM_PROBES)
@@ -86,23 +85,25 @@ class RightHandSide:
 class Projection:
     """The right-hand side of every direction of one layer for one start: B Q with B = D - tau_init C.
 
-    What :func:`solve` needs besides the filter: the spectrum, the start tau_init (None for zero), ||D||_F and
-    ||tau_init||_F (for the rounding test) and the columns B q_k. Fresh (``fresh``), the columns are formed in fixed
-    blocks of BLOCK_COLUMNS when first asked for, each block one product ``B @ Q[:, block]`` (or, on the product
-    route, ``fresh.product(Q[:, block])``); held (from a spectral cache), all of them come as stored. Block k is the
-    same product whether one merge asks for it or a cache stores every block, so a setting re-synthesized from a cache
-    gets the same bits as a fresh merge. Of a partial spectrum, Q is the set of eigenvectors ``spectrum.basis``
-    computes for the ``count`` leading directions asked for; a spectral cache keeps B itself (``residual``) for the
-    counts on the B route and the columns of each count it anticipated on the product route (``counted``).
+    What :func:`solve` needs besides the filter: the spectrum, the start tau_init (None for zero), ||D||_F (or its
+    estimate: :meth:`norm_of_D`) and ||tau_init||_F for the rounding test, and the columns B q_k. Fresh (``fresh``),
+    the columns are formed in fixed blocks of BLOCK_COLUMNS when first asked for, each block one product
+    ``B @ Q[:, block]`` (or, on the product route, ``fresh.product(Q[:, block])``); held (from a spectral cache), all
+    of them come as stored. Block k is the same product whether one merge asks for it or a cache stores every block,
+    so a setting re-synthesized from a cache gets the same bits as a fresh merge. Of a partial spectrum, Q is the set
+    of eigenvectors ``spectrum.basis`` computes for the ``count`` leading directions asked for; a spectral cache keeps
+    B itself (``residual``) for the counts on the B route and the columns of each count it anticipated on the
+    product route (``counted``).
     """
 
     def __init__(
         self,
         spectrum: Spectrum,
         start: torch.Tensor | None,
-        d_norm: float,
+        d_norm: float | None,
         start_norm: float,
         *,
+        d_norm_estimate: float | None = None,
         n_experts: int,
         n_rows: int,
         fresh: RightHandSide | None = None,
@@ -111,6 +112,7 @@ class Projection:
         counted: dict[int, torch.Tensor] | None = None,
     ) -> None:
         self.spectrum, self.start, self.d_norm, self.start_norm = spectrum, start, d_norm, start_norm
+        self.d_norm_estimate = d_norm_estimate
         self.n_experts, self.n_rows = n_experts, n_rows
         self.fresh, self.residual, self.held, self.counted = fresh, residual, held, dict(counted or {})
         self._blocks: dict[tuple[int, int], torch.Tensor] = {}
@@ -122,8 +124,9 @@ class Projection:
     def sharing(self) -> Projection:
         """The same projection with its own blocks and an empty list of shared products (see ``shared``)."""
         copy = Projection(
-            self.spectrum, self.start, self.d_norm, self.start_norm, n_experts=self.n_experts, n_rows=self.n_rows,
-            fresh=self.fresh, residual=self.residual, held=self.held, counted=self.counted,
+            self.spectrum, self.start, self.d_norm, self.start_norm, d_norm_estimate=self.d_norm_estimate,
+            n_experts=self.n_experts, n_rows=self.n_rows, fresh=self.fresh, residual=self.residual, held=self.held,
+            counted=self.counted,
         )  # fmt: skip
         copy.shared = []
         return copy
@@ -136,6 +139,21 @@ class Projection:
         """Whether the columns of the ``count`` leading eigenvectors come by the product route (partial spectra)."""
         d_in = self.spectrum.vector_length
         return self.spectrum.partial and product_pays(self.n_experts, self.n_rows, d_in, count, self.start is not None)
+
+    def estimates_d_norm(self, count: int) -> bool:
+        """Whether the rounding test of a solve from the ``count`` leading eigenvectors reads the estimate of
+        ||D||_F: on the product route where D is not formed (d_out < d_in); else ||D||_F itself."""
+        return self.n_rows < self.spectrum.vector_length and self.uses_product(count)
+
+    def norm_of_D(self, count: int) -> float:
+        """||D||_F for the rounding test of a solve from the ``count`` leading eigenvectors (see estimates_d_norm)."""
+        estimate = self.estimates_d_norm(count)
+        if self.fresh is not None:
+            return self.fresh.d_norm_estimate if estimate else self.fresh.d_norm
+        value = self.d_norm_estimate if estimate else self.d_norm
+        if value is None:
+            raise ProjectionMissing(f"no stored norm of D for the {count} leading eigenvectors")
+        return value
 
     def columns(self, index: torch.Tensor, leading: int | None = None) -> torch.Tensor:
         """B q_k for the directions ``index`` (ascending), q_k from ``spectrum.columns(index, leading)``."""
@@ -191,10 +209,7 @@ def projection(eq: NormalEquation, spectrum: Spectrum, tau_init: torch.Tensor | 
 def fresh_projection(rhs: RightHandSide, spectrum: Spectrum) -> Projection:
     """The :class:`Projection` of ``spectrum`` on a start's right-hand side (shared by the spectra of one layer)."""
     eq = rhs.eq
-    return Projection(
-        spectrum, rhs.start, rhs.d_norm(spectrum.partial), rhs.start_norm, n_experts=eq.n_experts, n_rows=eq.d_out,
-        fresh=rhs,
-    )  # fmt: skip
+    return Projection(spectrum, rhs.start, None, rhs.start_norm, n_experts=eq.n_experts, n_rows=eq.d_out, fresh=rhs)
 
 
 SHARED_KEPT = 6  # earlier products a Projection keeps for reuse

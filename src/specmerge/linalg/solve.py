@@ -96,7 +96,7 @@ def solve(p: Projection, gains: Filter | torch.Tensor, leading: int | None = Non
     Q, lam, inverse = spectrum.columns(index, leading), lam[active], inverse[active]
     projected = p.columns(index, leading)
     if isinstance(gains, Filter):
-        informative = projected.norm(dim=0) > _rounding_level(p, lam, inverse, projected)
+        informative = projected.norm(dim=0) > _rounding_level(p, lam, inverse, projected, basis)
         if not bool(informative.all()):
             Q, projected, inverse, index = (
                 Q[:, informative],
@@ -120,6 +120,7 @@ def _rounding_level(
     lam: torch.Tensor,
     gains: torch.Tensor,
     projected: torch.Tensor,
+    count: int,
     chunk: int = 1024,
 ) -> torch.Tensor:
     """The round-off in the computed right-hand side B q_k of each inverted direction, as it affects the update.
@@ -133,10 +134,11 @@ def _rounding_level(
       It matters only where the gains differ: the tail of a pseudoinverse (1 / lambda_k against 1 / lambda_j),
       C's null space under SWUDI (t against 1 / lambda_j on dense LoRA experts).
     A direction whose B q_k is below this carries no information, and inverting it would only amplify round-off.
+    ``count``: the set of eigenvectors the columns come from (``spectrum.basis``), which says where ||D||_F comes from.
     """
     spectrum = p.spectrum
     unit = torch.finfo(projected.dtype).eps / 2
-    level = unit * (p.d_norm + lam * p.start_norm)
+    level = unit * (p.norm_of_D(count) + lam * p.start_norm)
     if lam.numel() < 2:
         return level
     size = projected.norm(dim=0)

@@ -167,8 +167,9 @@ class CachedLayer:
             raise ProjectionMissing(f"{self.folder.name}: no {kind} projection for tau_init={tau_init}")
         spectrum = _read_spectrum(spectrum_file, self.device)
         tensors, meta = _read(start_file, self.device)
-        start, d_norm, start_norm = tensors.get("start"), float(meta["d_norm"]), float(meta["start_norm"])
+        start, d_norm, start_norm = tensors.get("start"), meta.get("d_norm"), float(meta["start_norm"])
         sizes = {"n_experts": self.n_experts, "n_rows": int(self._meta["shape"][0])}
+        sizes["d_norm_estimate"] = meta.get("d_norm_estimate")
         if spectrum.partial:  # the vectors are computed per K, as in a fresh merge: B, or the columns per count
             counted = {int(name.removeprefix(COUNTED)): t for name, t in tensors.items() if name.startswith(COUNTED)}
             return Projection(spectrum, start, d_norm, start_norm, **sizes, residual=tensors.get("residual"),
@@ -244,26 +245,32 @@ def entry_files(
     for start in tau_inits:
         p = layer.projection(start, accurate=accurate, partial=partial)
         files.setdefault(f"{kind}.safetensors", _spectrum_tensors(p.spectrum))
-        columns = partial_columns(p, kept) if p.spectrum.partial else {"projected": p.all_columns()}
+        columns, norms = partial_columns(p, kept) if p.spectrum.partial else ({"projected": p.all_columns()}, {})
         tensors = columns | ({} if p.start is None else {"start": p.start})
-        files[f"{kind}-{start}.safetensors"] = (tensors, {"d_norm": p.d_norm, "start_norm": p.start_norm})
+        norms = norms or {"d_norm": p.fresh.d_norm}
+        files[f"{kind}-{start}.safetensors"] = (tensors, {**norms, "start_norm": p.start_norm})
     return files, meta
 
 
-def partial_columns(p: Projection, kept: Iterable[Kept]) -> dict[str, torch.Tensor]:
-    """What a fresh partial projection's settings need stored: for each count :func:`~specmerge.linalg.solve.solve`
-    will ask of it (one per filter keeping ``kept``; K = 0 asks none), B where that count is on the B route, its
-    columns where it is on the product route. A count not anticipated here raises ProjectionMissing on the product
-    route (the layer is then merged from the stack), or wherever B was not needed."""
+def partial_columns(p: Projection, kept: Iterable[Kept]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """What a fresh partial projection's settings need stored, and the norms of D they read: for each count
+    :func:`~specmerge.linalg.solve.solve` will ask of it (one per filter keeping ``kept``; K = 0 asks none), B where
+    that count is on the B route, its columns where it is on the product route. A count not anticipated here raises
+    ProjectionMissing on the product route (the layer is then merged from the stack), or wherever B was not needed."""
     spectrum, counts = p.spectrum, set()
     for k in kept:
         K = leading_count(k, spectrum)
         if K:
             counts.add(spectrum.basis_count(solve_count(spectrum, K)))
-    out = {f"{COUNTED}{c}": p.all_columns(c) for c in sorted(counts) if p.uses_product(c)}
+    columns = {f"{COUNTED}{c}": p.all_columns(c) for c in sorted(counts) if p.uses_product(c)}
+    norms = {}
     if any(not p.uses_product(c) for c in counts):
-        out["residual"] = p.fresh.B
-    return out
+        columns["residual"] = p.fresh.B
+    if any(not p.estimates_d_norm(c) for c in counts):
+        norms["d_norm"] = p.fresh.d_norm
+    if any(p.estimates_d_norm(c) for c in counts):
+        norms["d_norm_estimate"] = p.fresh.d_norm_estimate
+    return columns, norms
 
 
 def _spectrum_tensors(spectrum: Spectrum) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
