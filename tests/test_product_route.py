@@ -145,3 +145,17 @@ def test_the_route_does_not_depend_on_what_was_asked_before():
     assert eq.has_D
     again = fresh_projection(RightHandSide(eq, tv.sum(0)), spectrum)
     assert torch.equal(again.all_columns(4), small)
+
+
+def test_the_cost_model_counts_the_route_the_merge_takes(monkeypatch):
+    """The dry run's flops (methods.operations) follow the product route where the merge takes it: on the down_proj
+    above with K = 285, D and B are not counted, the 285 columns' chains are."""
+    from specmerge.methods import operations
+
+    shape = (4, 3072, 8192)
+    on = operations.spectral_merge_ops(shape, 4, 285, "sum", "assumed")
+    monkeypatch.setattr(operations, "product_pays", lambda *args: False)
+    off = operations.spectral_merge_ops(shape, 4, 285, "sum", "assumed")
+    product, by_b = route_flops(4, 3072, 8192, 285, True)
+    assert on.partial_eigh == off.partial_eigh == ((8192, 285),)
+    assert off.matmul - on.matmul == pytest.approx(by_b - product, rel=0.05)
