@@ -6,7 +6,8 @@ The floor is what one spectral merge of a layer cost before the partial eigensol
 torch: C = sum_i tau_i^T tau_i / n_i by one GEMM (M^T M, M the stack over sqrt(n_i), formed beforehand), D =
 sum_i tau_i A_i by the cheaper order (one expert at a time, general products), and torch.linalg.eigh(C). Against
 it, best of --repeats: the whole SWUDI-A and SWUDI merges of the layer (``specmerge.methods``, float32, default
-parameters but r), the ratio, and each one's K. Layers:
+parameters but r), the ratio, and each one's K; and SWUDI-A with the columns B Q by forming B for every count (the
+product route of ``specmerge.linalg.projection`` off), for the crossover between the two. Layers:
 
 - synthetic experts like real fine-tunes (``specmerge-bench speed``'s: rank-64 signal + noise): the CLIP-ViT-B/32
   shapes 768 x 768, 3072 x 768 and 768 x 3072 (N = 8) at noise 0.2 (psqrt keeps about 29 %) and 0.01 (16 %);
@@ -22,14 +23,16 @@ before issue 23); seconds of each and the largest relative difference of a merge
 
 from __future__ import annotations
 
+import contextlib
 import re
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from specmerge.linalg import eigensolver
+from specmerge.linalg import eigensolver, projection
 from specmerge.methods import get_method
 from specmerge_bench.inputs import Parser, fail, model_family, model_folder
 from specmerge_bench.speed import best_seconds as best
@@ -61,6 +64,17 @@ def floor_parts(stack: torch.Tensor, repeats: int) -> tuple[float, float, float]
     return t_c, t_d, t_eigh
 
 
+@contextlib.contextmanager
+def b_route_only() -> Iterator[None]:
+    """The columns B Q by forming B for every count (the product route off), as before it existed."""
+    chosen = projection.product_pays
+    projection.product_pays = lambda *args: False
+    try:
+        yield
+    finally:
+        projection.product_pays = chosen
+
+
 def layer_row(name: str, stack: torch.Tensor, repeats: int) -> str:
     t_c, t_d, t_eigh = floor_parts(stack, repeats)
     floor = t_c + t_d + t_eigh
@@ -68,6 +82,10 @@ def layer_row(name: str, stack: torch.Tensor, repeats: int) -> str:
     for method, params in METHODS:
         seconds, result = best(lambda m=method, p=params: get_method(m)(stack, **p), repeats)
         cells += [f"{seconds:.2f}", f"{seconds / floor:.2f}", str(result.diagnostics["kept_rank"])]
+        if method == "swudi_a":
+            with b_route_only():
+                b_seconds, _ = best(lambda m=method, p=params: get_method(m)(stack, **p), repeats)
+            cells += [f"{b_seconds:.2f}"]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -161,8 +179,8 @@ def main() -> None:
     if args.experts is not None:
         layers += [(name, lambda s=stack: s) for name, stack in expert_stacks(parser, args.experts, args.base)]
     if layers:
-        print("| layer | C (GEMM) | D | eigh | floor | SWUDI-A | / floor | K | SWUDI r 0.65 | / floor | K |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("| layer | C (GEMM) | D | eigh | floor | SWUDI-A | / floor | K | SWUDI-A, B route | SWUDI r 0.65 "
+              "| / floor | K |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
         for name, make in layers:
             print(layer_row(name, make(), args.repeats), flush=True)
         print()

@@ -52,9 +52,15 @@ def cached(tmp_path: Path, tv: torch.Tensor, starts, *, accurate: bool = False, 
     cache.write("ab" * 32, files, meta)
     if accurate:
         cache.write("ab" * 32, *entry_files(layer, starts, accurate=True))
-    if partial:
-        cache.write("ab" * 32, *entry_files(layer, starts, partial=True))
+    if partial:  # the counts that every setting below keeps, as tune passes them
+        cache.write("ab" * 32, *entry_files(layer, starts, partial=True, kept=settings_kept(tv.shape[0])))
     return cache.layer("ab" * 32, torch.device("cpu"))
+
+
+def settings_kept(n: int) -> list:
+    from specmerge.methods.spectral import kept_directions
+
+    return [kept_directions(name, get_method(name).validate(params, n)) for name, params in settings()]
 
 
 @pytest.fixture(params=["eigh", "partial"])
@@ -82,9 +88,16 @@ def settings():
         yield "spectral_filter", {"filter": "exponential", "tau_init": start, "rank": "psqrt"}
 
 
-# (N, d_out, d_in, noise): eigh(C) (tall, square), the SVD of M (wide), and a rank-deficient tall layer whose
-# pseudoinverse needs the SVD spectrum too (stored as "accurate")
-SHAPES = {"tall": (3, 40, 24, 1e-3), "square": (4, 32, 32, 1e-3), "wide": (2, 8, 40, 1e-3), "deficient": (3, 40, 24, 0)}
+# (N, d_out, d_in, noise): eigh(C) (tall, square, broad: d_out < d_in <= N d_out, where the product route forms
+# D Q without D for small counts), the SVD of M (wide), and a rank-deficient tall layer whose pseudoinverse needs the
+# SVD spectrum too (stored as "accurate")
+SHAPES = {
+    "tall": (3, 40, 24, 1e-3),
+    "square": (4, 32, 32, 1e-3),
+    "broad": (4, 16, 40, 1e-3),
+    "wide": (2, 8, 40, 1e-3),
+    "deficient": (3, 40, 24, 0),
+}
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -194,7 +207,7 @@ def test_a_damaged_or_linked_entry_is_one_line_naming_its_folder(tmp_path):
 def test_settings_sharing_their_products_match_fresh_merges_to_float_rounding(tmp_path, shape):
     """SWUDI over the paper's r at each t, each product built on the previous r's (tune --reuse-products): the same
     sum in another order, so equal to 1e-6 relative (float32), and the reuse does happen."""
-    from specmerge.linalg.projection import Projection, shared_update
+    from specmerge.linalg.projection import shared_update
     from specmerge.tuning.batch import SharedProducts
 
     n, d_out, d_in, noise = SHAPES[shape]
@@ -210,8 +223,7 @@ def test_settings_sharing_their_products_match_fresh_merges_to_float_rounding(tm
             assert float((again - fresh).norm()) <= 1e-6 * float(fresh.norm()), (shape, params)
         assert len(shared.projection("sum").shared) == len(grid["rank_ratio"])
     p = layer.projection("sum")
-    q = Projection(p.spectrum, p.start, p.d_norm, p.start_norm, held=p.held)
-    q.shared = []
+    q = p.sharing()
     Q, P = p.spectrum.vectors, p.held
     small, large = torch.arange(4), torch.arange(7)
     gains = torch.linspace(1.0, 2.0, 7)

@@ -37,11 +37,17 @@ import torch
 PARTIAL_MIN_SIZE = 1024  # below, eigh is as fast as the reduction with a few vectors (SciPy's call overheads)
 
 
+CROSSOVER_REFERENCE = 1024  # the d at which the measured crossover below starts (0.25)
+
+
 def crossover(d: int) -> float:
     """The k / d up to which MRRR's k vectors cost less than all d by divide and conquer after the reduction:
     measured 0.25 at d = 1024-1536, 0.4 at 2048, 0.5 at 3072, 0.7 at 8192 (2 cores, float32), which
-    0.25 + 0.15 log2(d / 1024), capped at 0.7, follows."""
-    return 0.0 if d < PARTIAL_MIN_SIZE else min(0.7, 0.25 + 0.15 * math.log2(d / PARTIAL_MIN_SIZE))
+    0.25 + 0.15 log2(d / 1024), capped at 0.7, follows (0.25 below 1024, where only a lowered PARTIAL_MIN_SIZE
+    asks: the tests' small layers)."""
+    if d < PARTIAL_MIN_SIZE:
+        return 0.0
+    return min(0.7, 0.25 + 0.15 * math.log2(max(d, CROSSOVER_REFERENCE) / CROSSOVER_REFERENCE))
 
 
 def mrrr_pays(k: int, d: int) -> bool:

@@ -63,12 +63,12 @@ class NormalEquation:
     R_i = S_k V_k^T (k x d_in) of the rank-k proxies P_i = U_k S_k V_k^T: P_i^T P_i = R_i^T R_i and
     ||X P_i^T||_F = ||X R_i^T||_F since U_k has orthonormal columns. ``M`` stacks the proxies over
     sqrt(n_i), so C = M^T M: (N d_out) x d_in for WUDI, only N k rows for low-rank proxies. C itself
-    is formed only when asked for: products X C and the spectrum may go through M instead.
+    is formed only when asked for: products X C and the spectrum may go through M instead. So is WUDI's D when
+    d_out < d_in (:func:`normal_equation`): a top-K filter may need only D Q (:meth:`D_times`).
     """
 
     tau: torch.Tensor  # (N_kept, d_out, d_in), the targets tau_i
     norms_sq: torch.Tensor  # (N_kept,), n_i = ||tau_i||_F^2
-    D: torch.Tensor  # (d_out, d_in)
     proxies: torch.Tensor | None = None  # (N_kept, k, d_in) low-rank proxy factors R_i, or None: tau_i itself
 
     @property
@@ -99,6 +99,33 @@ class NormalEquation:
             return self.M.T @ self.M
         # sum_i tau_i^T tau_i / n_i, one expert at a time (no (N d_out) x d_in copy of the stack), by symmetric updates
         return gram_sum(((t, 1 / float(n)) for t, n in zip(self.tau, self.norms_sq, strict=True)), self.d_in, self.tau)
+
+    @functools.cached_property
+    def D(self) -> torch.Tensor:
+        """(d_out, d_in): sum_i tau_i A_i for WUDI's loss, each term as :func:`normal_equation` forms it (the same
+        bits); the equations of low-rank proxies come with theirs."""
+        if self.proxies is not None:
+            raise RuntimeError("a proxy equation is built with its D")
+        D = self.tau.new_zeros(self.d_out, self.d_in)
+        for tau_i, n_i in zip(self.tau, self.norms_sq, strict=True):
+            D += _d_term(tau_i, n_i)
+        return D
+
+    @property
+    def has_D(self) -> bool:
+        return "D" in self.__dict__
+
+    def D_times(self, X: torch.Tensor) -> torch.Tensor:
+        """D X (X: d_in x k): with D where :func:`normal_equation` forms it (d_out >= d_in), else as
+        sum_i tau_i (tau_i^T (tau_i X)) / n_i, expert by expert (6 N d_out d_in k flops and no d_out x d_in
+        temporary, against 3 N d_out^2 d_in for D itself). Which one is a function of the shape alone, so the same
+        X gives the same bits whatever else was formed."""
+        if self.d_out >= self.d_in or self.proxies is not None:
+            return self.D @ X
+        out = X.new_zeros(self.d_out, X.shape[1])
+        for tau_i, n_i in zip(self.tau, self.norms_sq, strict=True):
+            out.addmm_(tau_i, tau_i.T @ (tau_i @ X), alpha=1 / float(n_i))
+        return out
 
     @property
     def has_C(self) -> bool:
@@ -133,24 +160,33 @@ def normal_equation(task_vectors: torch.Tensor) -> NormalEquation:
 
     Each term of D is formed in the cheaper order, one expert at a time so the workspace is one small
     Gram: (tau_i tau_i^T) tau_i / n_i when d_out < d_in, else tau_i A_i, in which case the A_i are
-    summed into C on the way (C is then needed anyway: N d_out >= d_in selects the C route).
+    summed into C on the way (C is then needed anyway: N d_out >= d_in selects the C route). When
+    d_out < d_in, D is formed only when first asked for (a top-K filter may need only D Q).
     """
     _check_stack(task_vectors)
     tau, norms_sq = nonzero_experts(task_vectors)
+    eq = NormalEquation(tau, norms_sq)
     d_out, d_in = task_vectors.shape[1:]
-    D = task_vectors.new_zeros(d_out, d_in)
-    C = task_vectors.new_zeros(d_in, d_in) if d_out >= d_in else None
-    for tau_i, n_i in zip(tau, norms_sq, strict=True):
-        if C is None:
-            D += gram_sum([(tau_i.T, 1.0)], d_out, tau_i) @ tau_i / n_i
-        else:
-            A_i = gram_sum([(tau_i, 1 / float(n_i))], d_in, tau_i)
+    if d_out >= d_in:
+        C, D = task_vectors.new_zeros(d_in, d_in), task_vectors.new_zeros(d_out, d_in)
+        for tau_i, n_i in zip(tau, norms_sq, strict=True):
+            A_i = _gram(tau_i, n_i)
             C += A_i
             D += tau_i @ A_i
-    eq = NormalEquation(tau, norms_sq, D)
-    if C is not None:
-        eq.__dict__["C"] = C  # fill the cached property: same value as M^T M, already paid for
+        eq.__dict__.update(C=C, D=D)  # fill the cached properties: the same values, already paid for
     return eq
+
+
+def _gram(tau_i: torch.Tensor, n_i: torch.Tensor) -> torch.Tensor:
+    """A_i = tau_i^T tau_i / n_i."""
+    return gram_sum([(tau_i, 1 / float(n_i))], tau_i.shape[1], tau_i)
+
+
+def _d_term(tau_i: torch.Tensor, n_i: torch.Tensor) -> torch.Tensor:
+    """tau_i tau_i^T tau_i / n_i in the cheaper order (as :func:`normal_equation` forms it)."""
+    if tau_i.shape[0] < tau_i.shape[1]:
+        return gram_sum([(tau_i.T, 1.0)], tau_i.shape[0], tau_i) @ tau_i / n_i
+    return tau_i @ _gram(tau_i, n_i)
 
 
 def proxy_rank(d_out: int, d_in: int, n_experts: int, rank: int | None = None) -> int:
@@ -180,4 +216,6 @@ def proxy_equation(task_vectors: torch.Tensor, rank: int | None = None, *, centr
     # D_P = sum_i (tau_i R_i^T / sqrt(n_i)) (R_i / sqrt(n_i)): one (d_out x N k) by (N k x d_in) product
     left = tau @ scaled.transpose(1, 2)
     D = left.permute(1, 0, 2).reshape(d_out, -1) @ scaled.reshape(-1, d_in)
-    return NormalEquation(tau, norms_sq, D, factors)
+    eq = NormalEquation(tau, norms_sq, factors)
+    eq.__dict__["D"] = D
+    return eq

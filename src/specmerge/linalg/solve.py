@@ -14,15 +14,22 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from specmerge.linalg import eigensolver
 from specmerge.linalg.filters import Filter
-from specmerge.linalg.projection import Projection, projection, shared_update
+from specmerge.linalg.projection import (
+    Projection,
+    ProjectionMissing,  # noqa: F401 (re-exported: the tuning code and the executors catch it from here)
+    RightHandSide,
+    fresh_projection,
+    projection,
+    shared_update,
+)
 from specmerge.linalg.quadratic import NormalEquation, TauInit, initial_point, normal_equation
-from specmerge.linalg.spectrum import Spectrum, decompose, directions, prefix
+from specmerge.linalg.spectrum import Spectrum, choose_rank, decompose, directions, prefix
 
 
 def _gains_and_dropped(spectrum: Spectrum, filt: Filter) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +67,7 @@ def filtered_solve(
     return solve(projection(eq, spectrum, tau_init), gains)
 
 
-def solve(p: Projection, gains: Filter | torch.Tensor) -> torch.Tensor:
+def solve(p: Projection, gains: Filter | torch.Tensor, leading: int | None = None) -> torch.Tensor:
     """tau_init + (D - tau_init C) Q diag(h / lambda) Q^T (paper Eq. 8) for a filter h, from a :class:`Projection`.
 
     ``gains`` is the :class:`Filter`, or the values h_k on ``spectrum.eigenvalues`` (then the resolved
@@ -68,7 +75,9 @@ def solve(p: Projection, gains: Filter | torch.Tensor) -> torch.Tensor:
     chosen by :func:`inverse_gains`, and a direction whose right-hand side B q_k = (D - tau_init C) q_k
     is not above the round-off of computing it (:func:`_rounding_level`) is skipped too: it carries no
     information, and inverting it would only amplify that round-off (by up to 1 / lambda_k).
-    Directions with zero gain are skipped.
+    Directions with zero gain are skipped. ``leading``: the filter keeps at most that many leading directions
+    (a top-K filter's K): the eigenvectors of a partial spectrum are those computed for that count
+    (``spectrum.basis``), whatever the solve then drops, so a spectral cache can store their columns.
     """
     spectrum = p.spectrum
     lam, _ = directions(spectrum)
@@ -80,14 +89,14 @@ def solve(p: Projection, gains: Filter | torch.Tensor) -> torch.Tensor:
         inverse[:rank] = gains[:rank] / spectrum.eigenvalues[:rank]
     active = inverse != 0
     if not bool(active.any()):
-        shape = (p.rows.shape[0], spectrum.vector_length)
-        return p.rows.new_zeros(shape) if p.start is None else p.start.clone()
+        return p.zeros() if p.start is None else p.start.clone()
     index = active.nonzero().squeeze(1)
-    basis = spectrum.basis(prefix(index))[0]  # the set of eigenvectors Q and the projections come from
-    Q, lam, inverse = spectrum.columns(index), lam[active], inverse[active]
-    projected = p.columns(index)
+    leading = prefix(index) if leading is None or not spectrum.partial else solve_count(spectrum, leading, index)
+    basis = spectrum.basis(leading)[0]  # the set of eigenvectors Q and the projections come from
+    Q, lam, inverse = spectrum.columns(index, leading), lam[active], inverse[active]
+    projected = p.columns(index, leading)
     if isinstance(gains, Filter):
-        informative = projected.norm(dim=0) > _rounding_level(p, lam, inverse, projected)
+        informative = projected.norm(dim=0) > _rounding_level(p, lam, inverse, projected, basis)
         if not bool(informative.all()):
             Q, projected, inverse, index = (
                 Q[:, informative],
@@ -100,11 +109,18 @@ def solve(p: Projection, gains: Filter | torch.Tensor) -> torch.Tensor:
     return update if p.start is None else p.start + update
 
 
+def solve_count(spectrum: Spectrum, leading: int, index: torch.Tensor | None = None) -> int:
+    """How many leading eigenvectors of a partial spectrum :func:`solve` asks for when the filter keeps ``leading``
+    (at most every one; at least those of the directions ``index`` it inverts)."""
+    return max(min(leading, spectrum.n_vectors), 0 if index is None else prefix(index))
+
+
 def _rounding_level(
     p: Projection,
     lam: torch.Tensor,
     gains: torch.Tensor,
     projected: torch.Tensor,
+    count: int,
     chunk: int = 1024,
 ) -> torch.Tensor:
     """The round-off in the computed right-hand side B q_k of each inverted direction, as it affects the update.
@@ -118,10 +134,11 @@ def _rounding_level(
       It matters only where the gains differ: the tail of a pseudoinverse (1 / lambda_k against 1 / lambda_j),
       C's null space under SWUDI (t against 1 / lambda_j on dense LoRA experts).
     A direction whose B q_k is below this carries no information, and inverting it would only amplify round-off.
+    ``count``: the set of eigenvectors the columns come from (``spectrum.basis``), which says where ||D||_F comes from.
     """
     spectrum = p.spectrum
     unit = torch.finfo(projected.dtype).eps / 2
-    level = unit * (p.d_norm + lam * p.start_norm)
+    level = unit * (p.norm_of_D(count) + lam * p.start_norm)
     if lam.numel() < 2:
         return level
     size = projected.norm(dim=0)
@@ -144,17 +161,22 @@ def _rounding_level(
     return level + scale * torch.cat(mixing).to(level.dtype)
 
 
-class ProjectionMissing(LookupError):
-    """Stored projections lack what a setting asks for (another start, or the SVD spectrum): merge from the stack."""
-
-
-Kept = Callable[[int], int] | Literal["rule"] | None  # what a filter keeps: see spectral_merge
+Kept = Callable[[int], int] | str | None  # what a filter keeps: a count from n_cols, a rank rule's name, any
 
 
 def wants_partial(kept: Kept, n_cols: int, size: int) -> bool:
-    """Whether a filter keeping ``kept`` (a count from the layer's n_cols, "rule" or None: see :func:`spectral_merge`)
-    asks for a partial spectrum of a C of ``size`` x ``size`` (:func:`~specmerge.linalg.eigensolver.pays`)."""
-    return eigensolver.pays(kept(n_cols) if callable(kept) else kept, size)
+    """Whether a filter keeping ``kept`` (a count from the layer's n_cols, a rank rule or None: see
+    :func:`spectral_merge`) asks for a partial spectrum of a C of ``size`` x ``size``
+    (:func:`~specmerge.linalg.eigensolver.pays`)."""
+    return eigensolver.pays("rule" if isinstance(kept, str) else kept(n_cols) if callable(kept) else kept, size)
+
+
+def leading_count(kept: Kept, spectrum: Spectrum) -> int | None:
+    """The K of the leading directions a filter keeping ``kept`` keeps on ``spectrum``, None for any: what
+    :func:`spectral_merge` passes to :func:`solve` (a spectral cache stores the columns of these counts)."""
+    if kept is None:
+        return None
+    return choose_rank(kept, spectrum) if isinstance(kept, str) else kept(spectrum.n_cols)
 
 
 class LayerProjections(Protocol):
@@ -179,7 +201,7 @@ class FreshLayer:
 
     def __init__(self, task_vectors: torch.Tensor, full_shape: tuple[int, int] | None = None) -> None:
         self.task_vectors, self.full_shape = task_vectors, full_shape
-        self._starts: dict[str, torch.Tensor | None] = {}
+        self._starts: dict[str, RightHandSide] = {}
         self._projections: dict[tuple[str, str], Projection] = {}
 
     @functools.cached_property
@@ -202,8 +224,6 @@ class FreshLayer:
         return wants_partial(kept, d_in if self.full_shape is None else self.full_shape[1], d_in)
 
     def projection(self, tau_init: TauInit, *, accurate: bool = False, partial: bool = False) -> Projection:
-        if tau_init not in self._starts:
-            self._starts[tau_init] = initial_point(self.task_vectors, tau_init)
         eq = self._equation
         if not eq.n_experts:
             raise ValueError("no expert has a non-zero task vector: there is no spectrum (check n_experts first)")
@@ -212,13 +232,9 @@ class FreshLayer:
         if accurate and not spectrum.accurate:
             kind, spectrum = "accurate", shared_spectrum(self.task_vectors, eq, self.full_shape, "accurate")
         if (tau_init, kind) not in self._projections:
-            first = next((p for (start, _), p in self._projections.items() if start == tau_init), None)
-            if first is None:  # B = D - tau_init C once per start, whichever spectrum asks first
-                self._projections[tau_init, kind] = projection(eq, spectrum, self._starts[tau_init])
-            else:
-                self._projections[tau_init, kind] = Projection(
-                    spectrum, first.start, first.d_norm, first.start_norm, residual=first.residual
-                )
+            if tau_init not in self._starts:  # B = D - tau_init C at most once per start, whichever spectrum asks
+                self._starts[tau_init] = RightHandSide(eq, initial_point(self.task_vectors, tau_init))
+            self._projections[tau_init, kind] = fresh_projection(self._starts[tau_init], spectrum)
         return self._projections[tau_init, kind]
 
 
@@ -246,8 +262,8 @@ def spectral_merge(
     (:class:`LayerProjections`): the same filter step then runs on them, with no decomposition.
 
     ``kept`` says, before the decomposition, which directions the filter can keep: its leading K (a function of the
-    layer's d_in, e.g. SWUDI's ceil(r d_in)), "rule" (a leading K that a rank rule reads off the eigenvalues) or None
-    (any direction). A top-K filter then gets a partial spectrum where that pays (:func:`wants_partial`): every
+    layer's d_in, e.g. SWUDI's ceil(r d_in)), a rank rule's name (the leading K that rule reads off the eigenvalues)
+    or None (any direction). A top-K filter then gets a partial spectrum where that pays (:func:`wants_partial`): every
     eigenvalue, and only the eigenvectors it keeps.
     """
     layer = FreshLayer(task_vectors, full_shape) if isinstance(task_vectors, torch.Tensor) else task_vectors
@@ -259,7 +275,7 @@ def spectral_merge(
     if needs_accurate(p.spectrum, filt):  # the rank rule, if any, keeps the K it chose on the first spectrum
         p = layer.projection(tau_init, accurate=True, partial=partial)
     gains = filt(p.spectrum.eigenvalues)
-    tau_hat = solve(p, filt)
+    tau_hat = solve(p, filt, k)
     return scale * tau_hat, spectrum_diagnostics(layer.n_experts, p.spectrum, k, gains)
 
 

@@ -104,12 +104,18 @@ class Spectrum:
         keeps the last LEADING_KEPT sets it computed."""
         if self.vectors is not None:
             return self.vectors.shape[1], self.vectors
-        count = k if eigensolver.mrrr_pays(k, self.reduction.size) else self.reduction.size
+        count = self.basis_count(k)
         if count not in self._leading:
             self._leading[count] = self.reduction.leading_vectors(count)
             for old in list(self._leading)[:-LEADING_KEPT]:
                 del self._leading[old]
         return count, self._leading[count]
+
+    def basis_count(self, k: int) -> int:
+        """How many eigenvectors :meth:`basis` computes for the leading k (k itself by MRRR, or all of them)."""
+        if self.vectors is not None:
+            return self.vectors.shape[1]
+        return k if eigensolver.mrrr_pays(k, self.reduction.size) else self.reduction.size
 
     def kept_bases(self) -> list[int]:
         """The counts of the sets of eigenvectors a partial spectrum holds now (see :meth:`basis`)."""
@@ -119,10 +125,11 @@ class Spectrum:
         """The eigenvectors of the k leading directions (vector_length x k)."""
         return self.basis(k)[1][:, :k]
 
-    def columns(self, index: torch.Tensor) -> torch.Tensor:
-        """The eigenvectors of the directions ``index`` (ascending), from :meth:`basis` for the leading
-        index[-1] + 1: the same vectors :class:`~specmerge.linalg.projection.Projection` projects on."""
-        return self.basis(prefix(index))[1][:, index]
+    def columns(self, index: torch.Tensor, leading: int | None = None) -> torch.Tensor:
+        """The eigenvectors of the directions ``index`` (ascending), from :meth:`basis` for the ``leading`` leading
+        directions (default index[-1] + 1): the same vectors :class:`~specmerge.linalg.projection.Projection`
+        projects on."""
+        return self.basis(prefix(index) if leading is None else leading)[1][:, index]
 
     @property
     def eigenvectors(self) -> torch.Tensor:

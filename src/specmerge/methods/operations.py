@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specmerge.linalg import eigensolver
+from specmerge.linalg.projection import BLOCK_COLUMNS, product_pays, route_flops
 
 Shape = tuple[int, ...]
 CostFunction = Callable[[Shape, int, Mapping[str, Any]], "Operations"]  # (stack shape, itemsize, params)
@@ -155,6 +156,14 @@ def spectral_merge_ops(shape: Shape, e: int, kept: int | None, tau_init: str, as
     spectrum = decompose_ops(n, d_out, d_in, e, top_k, rule=bool(assumed))
     normal = normal_equation_ops(n, d_out, d_in, e)
     solve = filtered_solve_ops(n, d_out, d_in, k, e, start=start)
+    if spectrum.partial_eigh and k:  # the columns B Q by the product route where it pays (linalg.projection)
+        count = k if eigensolver.mrrr_pays(k, d_in) else d_in
+        if product_pays(n, d_out, d_in, count, start):
+            if d_out < d_in:  # D never formed: the norms alone
+                normal = passes(n, x, e)
+            flops = route_flops(n, d_out, d_in, count, start)[0] + 2.0 * d_out * d_in * k
+            memory = (d_in * k + 3 * d_out * k + (2 * x if start else 0) + n * x) * e + 12.0 * k * k * 8
+            solve = Operations(matmul=flops, memory=memory, workspace=(x + (d_in + 2 * d_out) * BLOCK_COLUMNS) * e)
     ops = (passes(n + 1, x, e) if start else Operations()) + normal + spectrum + solve + passes(2, x, e)
     # alive together: tau_init and D throughout; C (or M) and the eigenvectors from the spectrum to the solve
     held = (2 if start else 1) * x * e

@@ -61,10 +61,7 @@ class SharedProducts:
             p = self.layer.projection(tau_init, accurate=accurate, partial=partial)
             if p.held is None and not p.spectrum.partial:
                 raise ProjectionMissing("only stored projections are shared between settings")
-            columns = {"held": p.held} if p.held is not None else {"residual": p.residual}
-            shared = Projection(p.spectrum, p.start, p.d_norm, p.start_norm, **columns)  # its own list of products
-            shared.shared = []
-            self._projections[key] = shared
+            self._projections[key] = p.sharing()  # its own list of products
         return self._projections[key]
 
 

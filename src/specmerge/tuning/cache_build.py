@@ -91,7 +91,7 @@ class CacheBuild:
         stack = spectral_stack(item.entry, inputs.base, inputs.values, device=o.device, compute_dtype=o.compute_dtype)
         layer, files = FreshLayer(stack), {}
         for kind in missing:
-            kind_files, meta = entry_files(layer, self.tau_inits, partial=kind == "partial")
+            kind_files, meta = entry_files(layer, self.tau_inits, partial=kind == "partial", kept=self.kept)
             files |= kind_files
         return Outcome((inputs.key, files, meta), {"cached": False})
 

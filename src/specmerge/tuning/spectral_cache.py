@@ -39,7 +39,7 @@ from specmerge.io.task_vectors import TaskVector
 from specmerge.linalg.eigensolver import Reduction
 from specmerge.linalg.projection import Projection
 from specmerge.linalg.quadratic import TauInit
-from specmerge.linalg.solve import FreshLayer, Kept, ProjectionMissing, wants_partial
+from specmerge.linalg.solve import FreshLayer, Kept, ProjectionMissing, leading_count, solve_count, wants_partial
 from specmerge.linalg.spectrum import Spectrum
 from specmerge.methods import get_method
 from specmerge.pipeline.plan import TensorPlan
@@ -167,10 +167,14 @@ class CachedLayer:
             raise ProjectionMissing(f"{self.folder.name}: no {kind} projection for tau_init={tau_init}")
         spectrum = _read_spectrum(spectrum_file, self.device)
         tensors, meta = _read(start_file, self.device)
-        start, d_norm, start_norm = tensors.get("start"), float(meta["d_norm"]), float(meta["start_norm"])
-        if spectrum.partial:  # the vectors are computed per K, as in a fresh merge: B itself is stored
-            return Projection(spectrum, start, d_norm, start_norm, residual=tensors["residual"])
-        return Projection(spectrum, start, d_norm, start_norm, held=tensors["projected"])
+        start, d_norm, start_norm = tensors.get("start"), meta.get("d_norm"), float(meta["start_norm"])
+        sizes = {"n_experts": self.n_experts, "n_rows": int(self._meta["shape"][0])}
+        sizes["d_norm_estimate"] = meta.get("d_norm_estimate")
+        if spectrum.partial:  # the vectors are computed per K, as in a fresh merge: B, or the columns per count
+            counted = {int(name.removeprefix(COUNTED)): t for name, t in tensors.items() if name.startswith(COUNTED)}
+            return Projection(spectrum, start, d_norm, start_norm, **sizes, residual=tensors.get("residual"),
+                              counted=counted)  # fmt: skip
+        return Projection(spectrum, start, d_norm, start_norm, **sizes, held=tensors["projected"])
 
 
 class SpectralCache:
@@ -214,12 +218,23 @@ def spectrum_kind(accurate: bool, partial: bool) -> str:
     return "accurate" if accurate else "partial" if partial else "spectrum"
 
 
+COUNTED = "projected-"  # a partial entry's columns B Q of the leading <count> eigenvectors (product route)
+
+
 def entry_files(
-    layer: FreshLayer, tau_inits: Iterable[str], *, accurate: bool = False, partial: bool = False
+    layer: FreshLayer,
+    tau_inits: Iterable[str],
+    *,
+    accurate: bool = False,
+    partial: bool = False,
+    kept: Iterable[Kept] = (),
 ) -> tuple[dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]], dict[str, Any]]:
-    """What the cache stores of a layer: its spectrum and, per start, B Q for every column (B itself for a partial
-    spectrum, whose vectors are computed per K), tau_init and the norms; and the layer's facts (experts, shape,
-    dtype). A layer without a non-zero expert stores only the facts."""
+    """What the cache stores of a layer: its spectrum and, per start, B Q for every column, tau_init and the norms;
+    and the layer's facts (experts, shape, dtype). A layer without a non-zero expert stores only the facts.
+
+    Of a partial spectrum, whose vectors are computed per K, each start stores what the filters keeping ``kept``
+    ask for (:func:`partial_columns`): B itself for the counts on the B route, the columns of each count on the
+    product route (:mod:`specmerge.linalg.projection`)."""
     zeros = layer.zeros()
     meta = {"n_experts": layer.n_experts, "n_total": layer.n_total, "shape": list(zeros.shape),
             "dtype": str(zeros.dtype).removeprefix("torch.")}  # fmt: skip
@@ -230,10 +245,32 @@ def entry_files(
     for start in tau_inits:
         p = layer.projection(start, accurate=accurate, partial=partial)
         files.setdefault(f"{kind}.safetensors", _spectrum_tensors(p.spectrum))
-        columns = {"residual": p.residual} if p.spectrum.partial else {"projected": p.all_columns()}
+        columns, norms = partial_columns(p, kept) if p.spectrum.partial else ({"projected": p.all_columns()}, {})
         tensors = columns | ({} if p.start is None else {"start": p.start})
-        files[f"{kind}-{start}.safetensors"] = (tensors, {"d_norm": p.d_norm, "start_norm": p.start_norm})
+        norms = norms or {"d_norm": p.fresh.d_norm}
+        files[f"{kind}-{start}.safetensors"] = (tensors, {**norms, "start_norm": p.start_norm})
     return files, meta
+
+
+def partial_columns(p: Projection, kept: Iterable[Kept]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """What a fresh partial projection's settings need stored, and the norms of D they read: for each count
+    :func:`~specmerge.linalg.solve.solve` will ask of it (one per filter keeping ``kept``; K = 0 asks none), B where
+    that count is on the B route, its columns where it is on the product route. A count not anticipated here raises
+    ProjectionMissing on the product route (the layer is then merged from the stack), or wherever B was not needed."""
+    spectrum, counts = p.spectrum, set()
+    for k in kept:
+        K = leading_count(k, spectrum)
+        if K:
+            counts.add(spectrum.basis_count(solve_count(spectrum, K)))
+    columns = {f"{COUNTED}{c}": p.all_columns(c) for c in sorted(counts) if p.uses_product(c)}
+    norms = {}
+    if any(not p.uses_product(c) for c in counts):
+        columns["residual"] = p.fresh.B
+    if any(not p.estimates_d_norm(c) for c in counts):
+        norms["d_norm"] = p.fresh.d_norm
+    if any(p.estimates_d_norm(c) for c in counts):
+        norms["d_norm_estimate"] = p.fresh.d_norm_estimate
+    return columns, norms
 
 
 def _spectrum_tensors(spectrum: Spectrum) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
