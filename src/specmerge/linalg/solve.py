@@ -195,9 +195,11 @@ class LayerProjections(Protocol):
 
 class FreshLayer:
     """The projections of a stack of task vectors (N x d_out x d_in, or cores with ``full_shape``), formed when first
-    asked for: the start, the normal equation and its spectrum (shared within :func:`shared_decompositions`), the
-    residual B once per start and spectrum; the SVD spectrum only when asked for (``accurate``), a partial one
-    (:func:`~specmerge.linalg.spectrum.decompose`) for a filter that keeps leading directions (``partial``)."""
+    asked for: the start, the normal equation and its spectrum (shared within :func:`shared_decompositions`), one
+    right-hand side per start shared by its spectra (:class:`~specmerge.linalg.projection.RightHandSide`: B formed at
+    most once, and only if a count on the B route asks); the SVD spectrum only when asked for (``accurate``), a
+    partial one (:func:`~specmerge.linalg.spectrum.decompose`) for a filter that keeps leading directions
+    (``partial``)."""
 
     def __init__(self, task_vectors: torch.Tensor, full_shape: tuple[int, int] | None = None) -> None:
         self.task_vectors, self.full_shape = task_vectors, full_shape

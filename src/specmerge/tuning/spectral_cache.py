@@ -8,8 +8,11 @@ t, rank rule, scale) is then two products per layer, with no eigendecomposition 
 arithmetic on the same numbers as a fresh merge, so the same bits (``tests/test_spectral_cache.py``; the block
 structure of B Q in :class:`~specmerge.linalg.solve.Projection` makes that hold whatever BLAS does with widths).
 Settings whose filter keeps leading directions take the partial route where it pays (issue 23): their entry is the
-``partial`` spectrum, the reduction of C with every eigenvalue, and per start B itself; each setting computes the
-eigenvectors it keeps from the reduction, as a fresh merge does (no eigendecomposition, no expert read).
+``partial`` spectrum, the reduction of C with every eigenvalue, and per start what the anticipated counts of kept
+eigenvectors need (:func:`partial_columns`): B itself for counts on the B route, the columns B Q of each count on the
+product route (:mod:`specmerge.linalg.projection`); each setting computes the eigenvectors it keeps from the
+reduction, as a fresh merge does (no eigendecomposition, no expert read). A count not anticipated misses
+(ProjectionMissing) and that layer is merged from the stack.
 
 An entry is keyed by the content of its inputs (the base's and every expert's bytes for that tensor, their dtypes
 and shapes), the compute dtype, the device type, the orientation and a hash of the code that computes it: a changed
@@ -17,7 +20,8 @@ input, dtype or version makes a new key, never a stale hit. Layout: ``<root>/<ke
 ``spectrum.safetensors`` and ``spectrum-<tau_init>.safetensors`` (plus ``accurate*`` when a filter needed the SVD
 spectrum), each written to a temporary name and renamed. Size per layer (float32): Q (d_in x m), and per start B Q
 (d_out x m) and tau_init (d_out x d_in), m = min(N d_out, d_in) (a partial entry: the d_in x d_in reflectors, and
-per start B and tau_init): :func:`estimate_bytes`, printed before a build.
+per start B and tau_init; the product route's columns, fewer than d_in per count where that route pays, are not
+counted): :func:`estimate_bytes`, printed before a build.
 """
 
 from __future__ import annotations
