@@ -55,6 +55,11 @@ def mrrr_pays(k: int, d: int) -> bool:
     return k <= crossover(d) * d
 
 
+def vectors_computed(k: int, d: int) -> int:
+    """How many eigenvectors a partial spectrum computes for the leading k of d: k by MRRR, or all d."""
+    return k if mrrr_pays(k, d) else d
+
+
 # Shares of eigh(C)'s time, measured on 2 cores in float32 (bench/partial_eigensolver.py, BENCHMARKS.md): the
 # reduction with every eigenvalue 0.36-0.45 for d >= 1024; the k vectors by MRRR and their back-transform about
 # 1.2 k / d for d up to 4096 (0.7 at 8192); all d of them by divide and conquer 0.6.

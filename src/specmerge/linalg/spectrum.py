@@ -115,7 +115,7 @@ class Spectrum:
         """How many eigenvectors :meth:`basis` computes for the leading k (k itself by MRRR, or all of them)."""
         if self.vectors is not None:
             return self.vectors.shape[1]
-        return k if eigensolver.mrrr_pays(k, self.reduction.size) else self.reduction.size
+        return eigensolver.vectors_computed(k, self.reduction.size)
 
     def kept_bases(self) -> list[int]:
         """The counts of the sets of eigenvectors a partial spectrum holds now (see :meth:`basis`)."""

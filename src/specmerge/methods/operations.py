@@ -157,7 +157,7 @@ def spectral_merge_ops(shape: Shape, e: int, kept: int | None, tau_init: str, as
     normal = normal_equation_ops(n, d_out, d_in, e)
     solve = filtered_solve_ops(n, d_out, d_in, k, e, start=start)
     if spectrum.partial_eigh and k:  # the columns B Q by the product route where it pays (linalg.projection)
-        count = k if eigensolver.mrrr_pays(k, d_in) else d_in
+        count = eigensolver.vectors_computed(k, d_in)
         if product_pays(n, d_out, d_in, count, start):
             if d_out < d_in:  # D never formed: the norms alone
                 normal = passes(n, x, e)

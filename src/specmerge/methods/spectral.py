@@ -55,7 +55,7 @@ def kept_directions(method: str, params: dict) -> Kept:
     """Which directions a spectral method's filter can keep, known before the decomposition (see
     :func:`~specmerge.linalg.solve.spectral_merge`): SWUDI's leading ceil(r d_in), a rank rule's leading K, or any.
     ``params`` are the method's validated parameters; the spectral cache asks too, to store the spectra they use."""
-    rank = {"swudi": "ratio", "swudi_a": params.get("rule", "psqrt")}.get(method, params.get("rank", "all"))
+    rank = {"swudi": "ratio", "swudi_a": params.get("rule")}.get(method, params.get("rank", "all"))
     if rank == "all":
         return None
     if rank == "ratio":

@@ -249,9 +249,11 @@ def entry_files(
     for start in tau_inits:
         p = layer.projection(start, accurate=accurate, partial=partial)
         files.setdefault(f"{kind}.safetensors", _spectrum_tensors(p.spectrum))
-        columns, norms = partial_columns(p, kept) if p.spectrum.partial else ({"projected": p.all_columns()}, {})
+        if p.spectrum.partial:
+            columns, norms = partial_columns(p, kept)
+        else:
+            columns, norms = {"projected": p.all_columns()}, {"d_norm": p.fresh.d_norm}
         tensors = columns | ({} if p.start is None else {"start": p.start})
-        norms = norms or {"d_norm": p.fresh.d_norm}
         files[f"{kind}-{start}.safetensors"] = (tensors, {**norms, "start_norm": p.start_norm})
     return files, meta
 
