@@ -1,13 +1,18 @@
 """SWUDI-A (psqrt) and SWUDI (r = 0.65) per layer against the compute floor of a spectral merge before issue 23.
 
-    python bench/compute_floor.py [--large] [--qwen] [--experts FOLDER] [--models DIR] [--repeats 3]
+    python bench/compute_floor.py [--large] [--qwen] [--experts FOLDER] [--models DIR] [--repeats 3] [--device cuda]
 
 The floor is what one spectral merge of a layer cost before the partial eigensolver, each part timed alone with
 torch: C = sum_i tau_i^T tau_i / n_i by one GEMM (M^T M, M the stack over sqrt(n_i), formed beforehand), D =
 sum_i tau_i A_i by the cheaper order (one expert at a time, general products), and torch.linalg.eigh(C). Against
 it, best of --repeats: the whole SWUDI-A and SWUDI merges of the layer (``specmerge.methods``, float32, default
 parameters but r), the ratio, and each one's K; and SWUDI-A with the columns B Q by forming B for every count (the
-product route of ``specmerge.linalg.projection`` off), for the crossover between the two. Layers:
+product route of ``specmerge.linalg.projection`` off), for the crossover between the two. The eigvalsh column
+(every eigenvalue, no eigenvector) is what any partial eigensolver must still pay for its values.
+
+``--device cuda`` runs it all on the GPU (each timing synchronized; the partial eigensolver is CPU-only, so the
+spectral merges take torch's eigh there) and adds, for layers up to 3072 wide, SWUDI-A's largest relative
+difference from the same merge in float64 on the CPU, and whether the two keep the same K. Layers:
 
 - synthetic experts like real fine-tunes (``specmerge-bench speed``'s: rank-64 signal + noise): the CLIP-ViT-B/32
   shapes 768 x 768, 3072 x 768 and 768 x 3072 (N = 8) at noise 0.2 (psqrt keeps about 29 %) and 0.01 (16 %);
@@ -44,11 +49,13 @@ QWEN = (4, 3584, 18944, 0.2)
 METHODS = (("swudi_a", {}), ("swudi", {"rank_ratio": 0.65}))
 
 
-def floor_parts(stack: torch.Tensor, repeats: int) -> tuple[float, float, float]:
-    """Seconds of C by one GEMM, D by the cheaper order, and eigh(C), as a spectral merge formed them before."""
+def floor_parts(stack: torch.Tensor, repeats: int) -> tuple[float, float, float, float]:
+    """Seconds of C by one GEMM, D by the cheaper order, and eigh(C), as a spectral merge formed them before, and
+    of eigvalsh(C)."""
+    device = stack.device
     norms_sq = stack.flatten(1).pow(2).sum(1)
     M = (stack / norms_sq.sqrt()[:, None, None]).reshape(-1, stack.shape[2])
-    t_c, C = best(lambda: M.T @ M, repeats)
+    t_c, C = best(lambda: M.T @ M, repeats, device)
 
     def d_by_products() -> torch.Tensor:
         D = stack.new_zeros(stack.shape[1:])
@@ -59,9 +66,10 @@ def floor_parts(stack: torch.Tensor, repeats: int) -> tuple[float, float, float]
                 D += tau_i @ (tau_i.T @ tau_i) / n_i
         return D
 
-    t_d, _ = best(d_by_products, repeats)
-    t_eigh, _ = best(lambda: torch.linalg.eigh(C), repeats)
-    return t_c, t_d, t_eigh
+    t_d, _ = best(d_by_products, repeats, device)
+    t_eigh, _ = best(lambda: torch.linalg.eigh(C), repeats, device)
+    t_values, _ = best(lambda: torch.linalg.eigvalsh(C), repeats, device)
+    return t_c, t_d, t_eigh, t_values
 
 
 @contextlib.contextmanager
@@ -75,17 +83,32 @@ def b_route_only() -> Iterator[None]:
         projection.product_pays = chosen
 
 
+CHECKED_WIDTH = 3072  # on a GPU, layers up to this wide are also merged in float64 on the CPU for comparison
+
+
+def float64_check(stack: torch.Tensor, merged: torch.Tensor, kept: int) -> str:
+    """SWUDI-A's largest relative difference from its float64 CPU merge, and whether K agrees."""
+    exact = get_method("swudi_a")(stack.cpu().double())
+    change = (merged.cpu().double() - exact.delta).norm() / exact.delta.norm()
+    same = "same K" if int(exact.diagnostics["kept_rank"]) == kept else f"K {exact.diagnostics['kept_rank']}"
+    return f"{float(change):.1e}, {same}"
+
+
 def layer_row(name: str, stack: torch.Tensor, repeats: int) -> str:
-    t_c, t_d, t_eigh = floor_parts(stack, repeats)
+    device = stack.device
+    t_c, t_d, t_eigh, t_values = floor_parts(stack, repeats)
     floor = t_c + t_d + t_eigh
-    cells = [name, f"{t_c:.2f}", f"{t_d:.2f}", f"{t_eigh:.2f}", f"{floor:.2f}"]
+    cells = [name, f"{t_c:.2f}", f"{t_d:.2f}", f"{t_eigh:.2f}", f"{t_values:.2f}", f"{floor:.2f}"]
     for method, params in METHODS:
-        seconds, result = best(lambda m=method, p=params: get_method(m)(stack, **p), repeats)
-        cells += [f"{seconds:.2f}", f"{seconds / floor:.2f}", str(result.diagnostics["kept_rank"])]
+        seconds, result = best(lambda m=method, p=params: get_method(m)(stack, **p), repeats, device)
+        kept = int(result.diagnostics["kept_rank"])
+        cells += [f"{seconds:.2f}", f"{seconds / floor:.2f}", str(kept)]
         if method == "swudi_a":
             with b_route_only():
-                b_seconds, _ = best(lambda m=method, p=params: get_method(m)(stack, **p), repeats)
+                b_seconds, _ = best(lambda m=method, p=params: get_method(m)(stack, **p), repeats, device)
             cells += [f"{b_seconds:.2f}"]
+            if device.type == "cuda":
+                cells += [float64_check(stack, result.delta, kept) if max(stack.shape[1:]) <= CHECKED_WIDTH else ""]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -166,11 +189,19 @@ def main() -> None:
     parser.add_argument("--experts", type=Path, help="a folder of real expert folders (model.safetensors each)")
     parser.add_argument("--base", type=Path, help="their base model folder (default: the pinned MiniLM)")
     parser.add_argument("--models", type=Path, help="whole-model merges of this base/ + expert*/ set, both routes")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where layers are merged and timed (default cpu); cuda adds a float64 check")  # fmt: skip
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
+    if args.device == "cuda" and args.models is not None:
+        parser.error("--models merges on the CPU (the partial eigensolver is CPU-only); leave out --device cuda")
+    device = torch.device(args.device)
     synthetic = args.synthetic or not (args.experts or args.models or args.large or args.qwen)
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, float32, best of {args.repeats}\n")
+    where = torch.cuda.get_device_name() if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"# torch {torch.__version__}, {where}, float32, best of {args.repeats}\n")
     rows = [(n, d_out, d_in, noise) for n, d_out, d_in, noise in SHAPES if synthetic]
     rows += [LARGE] if args.large else []
     rows += [QWEN] if args.qwen else []
@@ -179,10 +210,12 @@ def main() -> None:
     if args.experts is not None:
         layers += [(name, lambda s=stack: s) for name, stack in expert_stacks(parser, args.experts, args.base)]
     if layers:
-        print("| layer | C (GEMM) | D | eigh | floor | SWUDI-A | / floor | K | SWUDI-A, B route | SWUDI r 0.65 "
-              "| / floor | K |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
+        check = " SWUDI-A against float64 |" if device.type == "cuda" else ""
+        print("| layer | C (GEMM) | D | eigh | eigvalsh | floor | SWUDI-A | / floor | K | SWUDI-A, B route |"
+              f"{check} SWUDI r 0.65 | / floor | K |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+              f"{'---:|' if check else ''}---:|---:|---:|")  # fmt: skip
         for name, make in layers:
-            print(layer_row(name, make(), args.repeats), flush=True)
+            print(layer_row(name, make().to(device), args.repeats), flush=True)
         print()
     if args.models is not None:
         whole_model(args.models, parser)

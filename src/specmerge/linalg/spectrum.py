@@ -144,6 +144,10 @@ class Spectrum:
 LEADING_KEPT = 2  # sets of eigenvectors a partial spectrum keeps (each vector_length x count)
 
 
+GPU_WIDE_BY_EIGH = False  # EXPERIMENT
+GPU_SVD_DRIVER: str | None = None  # EXPERIMENT
+
+
 def prefix(index: torch.Tensor) -> int:
     """How many leading directions hold the directions ``index`` (ascending): index[-1] + 1, 0 for none."""
     return int(index[-1]) + 1 if index.numel() else 0
@@ -178,7 +182,7 @@ def decompose(
     if full_shape is not None:
         core = decompose(eq, accurate=accurate, partial=partial)
         return _embed(core, eq.n_experts * full_shape[0], full_shape[1])
-    if accurate or n_rows < n_cols:
+    if accurate or (n_rows < n_cols and (eq.tau.device.type == "cpu" or not GPU_WIDE_BY_EIGH)):
         sigma, Q = _singular_pairs(eq.M)
         return _spectrum(sigma * sigma, Q, n_rows, n_cols, accurate=True)
     if partial and eigensolver.solves(eq.C):
@@ -193,12 +197,13 @@ def _singular_pairs(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Wide M: M^T = Q_0 R, R = U S V^T, so M = V S (Q_0 U)^T. Tall M: M = Q_0 R, R = U S V^T, so M = (Q_0 U) S V^T.
     """
+    driver = GPU_SVD_DRIVER if M.device.type == "cuda" else None
     if M.shape[0] < M.shape[1]:
         basis, R = torch.linalg.qr(M.T)
-        U, S, _ = torch.linalg.svd(R)
+        U, S, _ = torch.linalg.svd(R, driver=driver)
         return S, basis @ U
     R = torch.linalg.qr(M, mode="r")[1]
-    _, S, Vh = torch.linalg.svd(R)
+    _, S, Vh = torch.linalg.svd(R, driver=driver)
     return S, Vh.T
 
 
