@@ -10,8 +10,9 @@ parameters but r), the ratio, and each one's K; and SWUDI-A with the columns B Q
 product route of ``specmerge.linalg.projection`` off), for the crossover between the two. The eigvalsh column
 (every eigenvalue, no eigenvector) is what any partial eigensolver must still pay for its values.
 
-``--device cuda`` runs it all on the GPU (each timing synchronized; the partial eigensolver is CPU-only, so the
-spectral merges take torch's eigh there) and adds, for layers up to 3072 wide, SWUDI-A's largest relative
+``--device cuda`` runs it all on the GPU (each timing synchronized; the partial eigensolver is CPU-only, and on a
+GPU with fast float64 a float32 layer is decomposed in float64: ``specmerge.linalg.spectrum.float64_spectra``) and
+adds, for layers up to 3072 wide, SWUDI-A's largest relative
 difference from the same merge in float64 on the CPU, and whether the two keep the same K. Layers:
 
 - synthetic experts like real fine-tunes (``specmerge-bench speed``'s: rank-64 signal + noise): the CLIP-ViT-B/32

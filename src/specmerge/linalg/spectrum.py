@@ -32,15 +32,16 @@ class Spectrum:
     real eigenvalues of a 768 x 3072 layer in float32 and moved the psqrt rank from 606 to 588:
     BENCHMARKS.md, issue 6).
 
-    ``vectors`` holds eigenvectors (columns, same order): the N d_out of the row space of M from the SVD route,
-    all d_in from eigh(C). A partial spectrum (``reduction``, :mod:`specmerge.linalg.eigensolver`) holds none:
-    it has every eigenvalue and computes the leading k eigenvectors when first asked for (:meth:`leading`), so a
-    top-K merge pays for K of them, not d_in. ``eigenvectors`` are the ``rank`` resolved ones. ``computed`` holds
-    the eigenvalue of every column as computed (clipped at 0, C being positive semi-definite; None means
-    ``eigenvalues``): :func:`~specmerge.linalg.solve.inverse_gains` still inverts an unresolved direction when the
-    filter's gain does not depend on where in [0, floor] its eigenvalue really lies (SWUDI's h / lambda <= t), at
-    its computed eigenvalue. ``accurate``: from the SVD of M (small eigenvalues accurate to eps sigma_1 sigma_k)
-    rather than from eigh(C) or the reduction of C (to eps lambda_1).
+    ``vectors`` holds eigenvectors (columns, same order): the N d_out of the row space of M from the SVD route
+    (min(N d_out, d_in) from the GPU's float64 eigh), all d_in from eigh(C). A partial spectrum (``reduction``,
+    :mod:`specmerge.linalg.eigensolver`) holds none: it has every eigenvalue and computes the leading k eigenvectors
+    when first asked for (:meth:`leading`), so a top-K merge pays for K of them, not d_in. ``eigenvectors`` are the
+    ``rank`` resolved ones. ``computed`` holds the eigenvalue of every column as computed (clipped at 0, C being
+    positive semi-definite; None means ``eigenvalues``): :func:`~specmerge.linalg.solve.inverse_gains` still inverts
+    an unresolved direction when the filter's gain does not depend on where in [0, floor] its eigenvalue really lies
+    (SWUDI's h / lambda <= t), at its computed eigenvalue. ``accurate``: from the SVD of M (small eigenvalues
+    accurate to eps sigma_1 sigma_k) or the GPU's float64 eigh (to eps_64 lambda_1), rather than from eigh(C) or the
+    reduction of C (to eps lambda_1).
     """
 
     eigenvalues: torch.Tensor
@@ -144,8 +145,20 @@ class Spectrum:
 LEADING_KEPT = 2  # sets of eigenvectors a partial spectrum keeps (each vector_length x count)
 
 
-GPU_WIDE_BY_EIGH = False  # EXPERIMENT
-GPU_SVD_DRIVER: str | None = None  # EXPERIMENT
+def float64_spectra(device: torch.device) -> bool:
+    """Whether a float32 layer on ``device`` is decomposed in float64 (:func:`decompose`): on a CUDA GPU that runs
+    float64 at half the float32 rate or better, the data-centre parts of compute capability 6.0, 7.0, 8.0, 9.0 and
+    10.0 (P100, V100, A100, H100 / H200, B200); others run it at 1/32 to 1/64 of the rate.
+
+    Measured on an H200 (BENCHMARKS "The GPU: decompositions in float64"): eigh of a float64 C costs what float32
+    does up to d = 8192 (0.54 s against 0.66 s) and 1.44x at 18944; SWUDI-A lies 30x closer to its float64
+    merge (1.8e-5 against 4.9e-4 on a 768 x 3072 fc2 layer; the CPU's float32 gives 1.6e-5); and on wide layers
+    it replaces the SVD route, whose cuSOLVER SVD took 35.7 s where eigh(C) takes 3.6 s (Qwen2-7B's down_proj).
+    """
+    if device.type != "cuda":
+        return False
+    major, minor = torch.cuda.get_device_capability(device)
+    return major >= 6 and minor == 0
 
 
 def prefix(index: torch.Tensor) -> int:
@@ -174,6 +187,9 @@ def decompose(
     zeros the real min(N d_out, d_in) spectrum has, and d_in, N d_out are the real ones for rank rules and
     the resolution floor.
 
+    On a GPU with fast float64 (:func:`float64_spectra`), a float32 layer takes neither: C is formed and decomposed in
+    float64 (:func:`_float64_spectrum`, accurate), whatever the shape.
+
     ``partial`` (the caller keeps only leading directions, and it pays: :func:`~specmerge.linalg.eigensolver.pays`):
     on the eigh(C) route, C is reduced once (:func:`~specmerge.linalg.eigensolver.reduce`) with every eigenvalue,
     and eigenvectors are computed only as the solve asks for them (a partial :class:`Spectrum`).
@@ -182,7 +198,9 @@ def decompose(
     if full_shape is not None:
         core = decompose(eq, accurate=accurate, partial=partial)
         return _embed(core, eq.n_experts * full_shape[0], full_shape[1])
-    if accurate or (n_rows < n_cols and (eq.tau.device.type == "cpu" or not GPU_WIDE_BY_EIGH)):
+    if eq.tau.dtype == torch.float32 and float64_spectra(eq.tau.device):
+        return _float64_spectrum(eq, n_rows, n_cols)
+    if accurate or n_rows < n_cols:
         sigma, Q = _singular_pairs(eq.M)
         return _spectrum(sigma * sigma, Q, n_rows, n_cols, accurate=True)
     if partial and eigensolver.solves(eq.C):
@@ -197,14 +215,28 @@ def _singular_pairs(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Wide M: M^T = Q_0 R, R = U S V^T, so M = V S (Q_0 U)^T. Tall M: M = Q_0 R, R = U S V^T, so M = (Q_0 U) S V^T.
     """
-    driver = GPU_SVD_DRIVER if M.device.type == "cuda" else None
     if M.shape[0] < M.shape[1]:
         basis, R = torch.linalg.qr(M.T)
-        U, S, _ = torch.linalg.svd(R, driver=driver)
+        U, S, _ = torch.linalg.svd(R)
         return S, basis @ U
     R = torch.linalg.qr(M, mode="r")[1]
-    _, S, Vh = torch.linalg.svd(R, driver=driver)
+    _, S, Vh = torch.linalg.svd(R)
     return S, Vh.T
+
+
+def _float64_spectrum(eq: NormalEquation, n_rows: int, n_cols: int) -> Spectrum:
+    """eigh of C formed from M in float64, the leading min(n_rows, n_cols) pairs cast back to M's dtype.
+
+    Its eigenvalues are accurate to about eps_64 lambda_1, below the float32 SVD's eps_32 sigma_1 sigma_k for every
+    sigma_k above 1e-9 sigma_1, and its vectors orthonormal to float32's rounding: it is marked ``accurate``, and
+    serves the filters that ask for the SVD route too (one decomposition, tall and wide layers alike).
+    """
+    M = eq.M.to(torch.float64)
+    lam, Q = torch.linalg.eigh(M.T @ M)
+    del M
+    m = min(n_rows, n_cols)
+    lam, Q = lam.flip(0)[:m].to(eq.tau.dtype), Q.flip(1)[:, :m].to(eq.tau.dtype)
+    return _spectrum(lam, Q, n_rows, n_cols, accurate=True)
 
 
 def resolution_floor(eigenvalues: torch.Tensor, n_cols: int, accurate: bool) -> float:
