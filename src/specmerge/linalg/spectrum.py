@@ -16,6 +16,7 @@ import torch
 
 from specmerge.linalg import eigensolver, rank_rules
 from specmerge.linalg.eigensolver import Reduction
+from specmerge.linalg.gram import gram_sum
 from specmerge.linalg.quadratic import NormalEquation
 
 RankRule = Literal["psqrt", "gavish_donoho", "participation"]
@@ -225,15 +226,17 @@ def _singular_pairs(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _float64_spectrum(eq: NormalEquation, n_rows: int, n_cols: int) -> Spectrum:
-    """eigh of C formed from M in float64, the leading min(n_rows, n_cols) pairs cast back to M's dtype.
+    """eigh of C formed in float64, the leading min(n_rows, n_cols) pairs cast back to the layer's dtype.
 
-    Its eigenvalues are accurate to about eps_64 lambda_1, below the float32 SVD's eps_32 sigma_1 sigma_k for every
-    sigma_k above 1e-9 sigma_1, and its vectors orthonormal to float32's rounding: it is marked ``accurate``, and
-    serves the filters that ask for the SVD route too (one decomposition, tall and wide layers alike).
+    C = sum_i X_i^T X_i / n_i over the experts (or their proxies) X_i, each cast to float64 in turn: one expert's
+    float64 copy at a time, never M's. Its eigenvalues are accurate to about eps_64 lambda_1, below the float32
+    SVD's eps_32 sigma_1 sigma_k for every sigma_k above 1e-9 sigma_1, and its vectors orthonormal to float32's
+    rounding: it is marked ``accurate``, and serves the filters that ask for the SVD route too (one decomposition,
+    tall and wide layers alike).
     """
-    M = eq.M.to(torch.float64)
-    lam, Q = torch.linalg.eigh(M.T @ M)
-    del M
+    source = eq.tau if eq.proxies is None else eq.proxies
+    parts = ((x.to(torch.float64), 1 / float(n)) for x, n in zip(source, eq.norms_sq, strict=True))
+    lam, Q = torch.linalg.eigh(gram_sum(parts, n_cols, source.new_zeros(0, dtype=torch.float64)))
     m = min(n_rows, n_cols)
     lam, Q = lam.flip(0)[:m].to(eq.tau.dtype), Q.flip(1)[:, :m].to(eq.tau.dtype)
     return _spectrum(lam, Q, n_rows, n_cols, accurate=True)
