@@ -57,3 +57,17 @@ def test_its_spectrum_is_the_accurate_one_and_keeps_float64s_k(float64_route, d_
             get_method(method)(tau).diagnostics["kept_rank"]
             == get_method(method)(tau.double()).diagnostics["kept_rank"]
         )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; run it where one is lent)")
+def test_on_a_gpu_a_merge_is_as_close_to_float64_as_on_the_cpu():
+    device = torch.device("cuda")
+    if not spectrum.float64_spectra(device):
+        pytest.skip(f"{torch.cuda.get_device_name(device)} runs float64 slowly and keeps float32")
+    tau = layer(4, "wide", "spiked", seed=2).float()
+    for method in ("swudi_a", "swudi"):
+        exact = get_method(method)(tau.double())
+        on_cpu, on_gpu = get_method(method)(tau), get_method(method)(tau.to(device))
+        error = [float((r.delta.cpu().double() - exact.delta).norm() / exact.delta.norm()) for r in (on_cpu, on_gpu)]
+        assert error[1] <= 3 * error[0] + 4 * torch.finfo(torch.float32).eps, (method, error)
+        assert on_gpu.diagnostics["kept_rank"] == exact.diagnostics["kept_rank"]
