@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from specmerge_bench.cli import main as bench_main
 from tiny_models import build_family
@@ -54,6 +55,11 @@ def cases(tmp: Path, family: Path) -> list[tuple[list[str], str]]:
         (["lora_equivalence.py", "--cache", str(tmp / "none")], "is not a folder"),
         (["lora_speed.py", "--methods", "ties"], "invalid choice: 'ties'"),
         (["ray_executor.py", "--models", str(tmp / "empty"), "--work", str(tmp / "w")], "is not a folder"),
+        (["compute_floor.py", "--repeats", "0"], "--repeats must be at least 1"),
+        (
+            ["compute_floor.py", "--device", "cuda", "--models", str(family)],
+            "--models merges on the CPU" if torch.cuda.is_available() else "torch sees no CUDA device here",
+        ),
     ]
 
 
