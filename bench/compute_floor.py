@@ -12,8 +12,8 @@ product route of ``specmerge.linalg.projection`` off), for the crossover between
 
 ``--device cuda`` runs it all on the GPU (each timing synchronized; the partial eigensolver is CPU-only, and on a
 GPU with fast float64 a float32 layer is decomposed in float64: ``specmerge.linalg.spectrum.float64_spectra``) and
-adds, for layers up to 3072 wide, SWUDI-A's largest relative
-difference from the same merge in float64 on the CPU, and whether the two keep the same K. Layers:
+adds, for layers up to 3072 wide, SWUDI-A's largest relative difference from the same merge in float64 on the CPU,
+and whether the two keep the same K. Layers:
 
 - synthetic experts like real fine-tunes (``specmerge-bench speed``'s: rank-64 signal + noise): the CLIP-ViT-B/32
   shapes 768 x 768, 3072 x 768 and 768 x 3072 (N = 8) at noise 0.2 (psqrt keeps about 29 %) and 0.01 (16 %);

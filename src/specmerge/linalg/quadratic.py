@@ -88,17 +88,26 @@ class NormalEquation:
         """k of low-rank proxies, None for WUDI's."""
         return None if self.proxies is None else self.proxies.shape[1]
 
+    @property
+    def rows(self) -> torch.Tensor:
+        """The matrices whose Grams C sums: the proxies R_i, or tau_i itself for WUDI's loss."""
+        return self.tau if self.proxies is None else self.proxies
+
     @functools.cached_property
     def M(self) -> torch.Tensor:
-        source = self.tau if self.proxies is None else self.proxies
-        return (source / self.norms_sq.sqrt()[:, None, None]).reshape(-1, self.d_in)
+        return (self.rows / self.norms_sq.sqrt()[:, None, None]).reshape(-1, self.d_in)
+
+    def gram(self, dtype: torch.dtype) -> torch.Tensor:
+        """sum_i X_i^T X_i / n_i over :attr:`rows` in ``dtype``, one expert at a time (no (N d_out) x d_in copy of
+        the stack; each X_i cast on its own), by symmetric updates where they pay (:func:`gram_sum`)."""
+        parts = ((x.to(dtype), 1 / float(n)) for x, n in zip(self.rows, self.norms_sq, strict=True))
+        return gram_sum(parts, self.d_in, self.rows.new_zeros(0, dtype=dtype))
 
     @functools.cached_property
     def C(self) -> torch.Tensor:
         if self.proxies is not None:
             return self.M.T @ self.M
-        # sum_i tau_i^T tau_i / n_i, one expert at a time (no (N d_out) x d_in copy of the stack), by symmetric updates
-        return gram_sum(((t, 1 / float(n)) for t, n in zip(self.tau, self.norms_sq, strict=True)), self.d_in, self.tau)
+        return self.gram(self.tau.dtype)
 
     @functools.cached_property
     def D(self) -> torch.Tensor:

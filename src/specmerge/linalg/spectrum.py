@@ -16,7 +16,6 @@ import torch
 
 from specmerge.linalg import eigensolver, rank_rules
 from specmerge.linalg.eigensolver import Reduction
-from specmerge.linalg.gram import gram_sum
 from specmerge.linalg.quadratic import NormalEquation
 
 RankRule = Literal["psqrt", "gavish_donoho", "participation"]
@@ -234,9 +233,7 @@ def _float64_spectrum(eq: NormalEquation, n_rows: int, n_cols: int) -> Spectrum:
     rounding: it is marked ``accurate``, and serves the filters that ask for the SVD route too (one decomposition,
     tall and wide layers alike).
     """
-    source = eq.tau if eq.proxies is None else eq.proxies
-    parts = ((x.to(torch.float64), 1 / float(n)) for x, n in zip(source, eq.norms_sq, strict=True))
-    lam, Q = torch.linalg.eigh(gram_sum(parts, n_cols, source.new_zeros(0, dtype=torch.float64)))
+    lam, Q = torch.linalg.eigh(eq.gram(torch.float64))
     m = min(n_rows, n_cols)
     lam, Q = lam.flip(0)[:m].to(eq.tau.dtype), Q.flip(1)[:, :m].to(eq.tau.dtype)
     return _spectrum(lam, Q, n_rows, n_cols, accurate=True)
