@@ -24,13 +24,18 @@ and whether the two keep the same K. Layers:
 
 ``--models DIR`` (``bench/memory.py generate``'s layout: base/, expert0/ ...) adds a whole-model SWUDI-A merge,
 run twice in this process: with the partial eigensolver, and with it switched off (every layer through eigh, as
-before issue 23); seconds of each and the largest relative difference of a merged tensor.
+before issue 23); seconds of each and the largest relative difference of a merged tensor. ``--before-src SRC``
+(the ``src/`` folder of an older checkout, e.g. a ``git worktree`` of the commit before issue 23, 1b7c0ec) runs
+the same merge with that code first, in a child process (only ``merge`` timed), for before and after in one run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -148,9 +153,30 @@ def expert_stacks(parser: Parser, folder: Path, base: Path | None) -> list[tuple
     return stacks
 
 
-def whole_model(models: Path, parser: Parser) -> None:
+BEFORE_JOB = """import sys, time
+from specmerge import merge
+threads, base, out, *experts = sys.argv[1:]
+start = time.perf_counter()
+merge(base, experts, out, method="swudi_a", progress=False, threads=int(threads))
+print(time.perf_counter() - start)
+"""
+
+
+def largest_change(merged: Path, reference: Path) -> tuple[float, str]:
+    """The largest relative Frobenius difference of a tensor of ``merged`` from ``reference``, and its name."""
     from safetensors.torch import load_file
 
+    worst, where = 0.0, ""
+    for shard in sorted(merged.glob("*.safetensors")):
+        a, b = load_file(shard), load_file(reference / shard.name)
+        for key, tensor in a.items():
+            change = (tensor.double() - b[key].double()).norm() / b[key].double().norm().clamp_min(1e-300)
+            if float(change) > worst:
+                worst, where = float(change), key
+    return worst, where
+
+
+def whole_model(models: Path, parser: Parser, before_src: Path | None) -> None:
     from specmerge import merge
 
     base, experts = model_family(parser, models, generate="python bench/memory.py generate --models DIR")
@@ -158,6 +184,15 @@ def whole_model(models: Path, parser: Parser) -> None:
     print("| route | seconds |\n|---|---:|")
     outputs = {}
     with tempfile.TemporaryDirectory(dir=models.parent) as work:
+        if before_src is not None:
+            out = Path(work) / "before"
+            env = {**os.environ, "PYTHONPATH": str(before_src.resolve())}
+            argv = [str(torch.get_num_threads()), str(base), str(out), *map(str, experts)]
+            done = subprocess.run([sys.executable, "-c", BEFORE_JOB, *argv], env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                fail(parser.prog, f"the --before-src merge failed: {done.stderr.strip().splitlines()[-1:]}")
+            print(f"| before ({before_src}) | {float(done.stdout.split()[-1]):.1f} |", flush=True)
+            outputs["before"] = out
         for route in ("partial", "eigh"):
             size = eigensolver.PARTIAL_MIN_SIZE
             eigensolver.PARTIAL_MIN_SIZE = size if route == "partial" else 10**9
@@ -170,14 +205,11 @@ def whole_model(models: Path, parser: Parser) -> None:
                 eigensolver.PARTIAL_MIN_SIZE = size
             print(f"| {route} | {seconds:.1f} |", flush=True)
             outputs[route] = Path(work) / route
-        worst, where = 0.0, ""
-        for shard in sorted(outputs["partial"].glob("*.safetensors")):
-            a, b = load_file(shard), load_file(outputs["eigh"] / shard.name)
-            for key, tensor in a.items():
-                change = (tensor.double() - b[key].double()).norm() / b[key].double().norm().clamp_min(1e-300)
-                if float(change) > worst:
-                    worst, where = float(change), key
-    print(f"\nlargest relative difference of a merged tensor, partial against eigh: {worst:.1e} ({where})\n")
+        print()
+        for other in [name for name in outputs if name != "partial"]:
+            worst, where = largest_change(outputs["partial"], outputs[other])
+            print(f"largest relative difference of a merged tensor, partial against {other}: {worst:.1e} ({where})")
+    print()
 
 
 def main() -> None:
@@ -190,6 +222,7 @@ def main() -> None:
     parser.add_argument("--experts", type=Path, help="a folder of real expert folders (model.safetensors each)")
     parser.add_argument("--base", type=Path, help="their base model folder (default: the pinned MiniLM)")
     parser.add_argument("--models", type=Path, help="whole-model merges of this base/ + expert*/ set, both routes")
+    parser.add_argument("--before-src", type=Path, help="with --models: also merge with this older src/ folder")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where layers are merged and timed (default cpu); cuda adds a float64 check")  # fmt: skip
     args = parser.parse_args()
@@ -199,6 +232,10 @@ def main() -> None:
         parser.error("--device cuda: torch sees no CUDA device here")
     if args.device == "cuda" and args.models is not None:
         parser.error("--models merges on the CPU (the partial eigensolver is CPU-only); leave out --device cuda")
+    if args.before_src is not None and not (args.before_src / "specmerge" / "__init__.py").is_file():
+        parser.error(f"--before-src {args.before_src} holds no specmerge/ package (give the src/ folder of a checkout)")
+    if args.before_src is not None and args.models is None:
+        parser.error("--before-src needs --models (it times a whole-model merge)")
     device = torch.device(args.device)
     synthetic = args.synthetic or not (args.experts or args.models or args.large or args.qwen)
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"{torch.get_num_threads()} threads"
@@ -219,7 +256,7 @@ def main() -> None:
             print(layer_row(name, make().to(device), args.repeats), flush=True)
         print()
     if args.models is not None:
-        whole_model(args.models, parser)
+        whole_model(args.models, parser, args.before_src)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,8 @@ def cases(tmp: Path, family: Path) -> list[tuple[list[str], str]]:
         (["lora_speed.py", "--methods", "ties"], "invalid choice: 'ties'"),
         (["ray_executor.py", "--models", str(tmp / "empty"), "--work", str(tmp / "w")], "is not a folder"),
         (["compute_floor.py", "--repeats", "0"], "--repeats must be at least 1"),
+        (["compute_floor.py", "--models", str(family), "--before-src", str(tmp)], "holds no specmerge/ package"),
+        (["compute_floor.py", "--before-src", str(Path(__file__).parents[1] / "src")], "--before-src needs --models"),
         (
             ["compute_floor.py", "--device", "cuda", "--models", str(family)],
             "--models merges on the CPU" if torch.cuda.is_available() else "torch sees no CUDA device here",
@@ -85,3 +87,19 @@ def test_specmerge_bench_refuses_bad_inputs_in_one_line(tmp_path, capsys):
             bench_main(argv)
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and message in err and len(err.splitlines()) == 1, (argv, err)
+
+
+def test_compute_floor_whole_model_with_before_src(family, capsys):
+    """--models with --before-src: the older code's merge (here the same src/, in a child process), both routes of
+    this one, and each one's difference from the partial route, which is round-off only when the code is the same."""
+    src = Path(__file__).resolve().parents[1] / "src"
+    run_script("compute_floor.py", "--models", str(family), "--before-src", str(src), "--repeats", "1")
+    out = capsys.readouterr().out
+    for row in (f"| before ({src}) |", "| partial |", "| eigh |"):
+        assert row in out, out
+    for other in ("before", "eigh"):
+        prefix = f"largest relative difference of a merged tensor, partial against {other}: "
+        line = next(line for line in out.splitlines() if line.startswith(prefix))
+        # tiny layers take eigh on both routes and in both processes, with the same thread count: the same float32
+        # operations, so any difference is a few float32 roundings (eps 1.2e-7) of well-conditioned sums
+        assert float(line.split(": ")[1].split()[0]) <= 1e-5, line
