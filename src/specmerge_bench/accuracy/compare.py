@@ -1,0 +1,182 @@
+"""The accuracy benchmark's settings side by side: one table, the paper's claims as paired differences, two plots.
+
+Each setting is a results folder of ``specmerge-bench accuracy`` (``results.json``: the summary over seeds and each
+seed's rows). A claim is a difference between two rows' average test accuracy, paired by seed (the same experts
+under both methods), reported as its mean and sample std over the seeds next to the two rows' own seed stds, so a
+difference can be read against the spread of the seeds. ``bench/accuracy_settings.py`` is the command.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from specmerge_bench.accuracy.report import exact_mean
+from specmerge_bench.accuracy.rows import WUDI_STEPS
+
+# (row, against): the paper's orderings, the closed-form filters first (sections 5-6: D C+ -> SWUDI-A, the
+# iterative methods, TSV-M and Iso-C)
+CLAIMS = (
+    ("swudi_a_psqrt", "closed_form"),
+    ("swudi", "closed_form"),
+    ("swudi_a_psqrt", "wudi"),
+    ("swudi", "wudi"),
+    ("swudi_a_psqrt", "optmerge"),
+    ("swudi", "optmerge"),
+    ("swudi_a_psqrt", "tsv_m"),
+    ("swudi", "tsv_m"),
+    ("swudi_a_psqrt", "iso_c"),
+    ("swudi_a_psqrt", "swudi"),
+)
+SWEEP = tuple(f"wudi_{steps}" for steps in WUDI_STEPS)
+
+
+class ResultsError(ValueError):
+    """A results folder that cannot be read (one line, naming the file)."""
+
+
+def load_results(folder: Path) -> dict[str, Any]:
+    """``folder/results.json`` as ``specmerge-bench accuracy`` wrote it."""
+    path = Path(folder) / "results.json"
+    if not path.is_file():
+        raise ResultsError(f"{path} does not exist (give a folder under CACHE/results/ of specmerge-bench accuracy)")
+    try:
+        results = json.loads(path.read_text())
+        if not (isinstance(results["summary"]["rows"], dict) and isinstance(results["per_seed"][0]["rows"], dict)):
+            raise TypeError("rows are not a mapping")
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ResultsError(f"{path} is not a results file of specmerge-bench accuracy ({exc!r})") from None
+    return results
+
+
+def _seeds(results: Mapping[str, Any]) -> str:
+    count = results["summary"]["seeds"]
+    return f"{count} seed{'s' if count > 1 else ''}"
+
+
+def _stats(values: Sequence[float]) -> dict[str, float]:
+    mean = exact_mean(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+    return {"mean": mean, "std": math.sqrt(var), "n": len(values)}
+
+
+def average(seed: Mapping[str, Any], label: str) -> float:
+    """A row's average test accuracy over the tasks in one seed."""
+    test = seed["rows"][label]["test"]
+    return exact_mean([test[t] for t in seed["tasks"]])
+
+
+def paired(results: Mapping[str, Any], row: str, against: str) -> dict[str, float] | None:
+    """Mean and std over seeds of ``row``'s average test accuracy minus ``against``'s; None if a row is missing."""
+    seeds = results["per_seed"]
+    if any(label not in seed["rows"] for seed in seeds for label in (row, against)):
+        return None
+    return _stats([average(seed, row) - average(seed, against) for seed in seeds])
+
+
+def sweep_peak(results: Mapping[str, Any]) -> tuple[int, float, float] | None:
+    """The WUDI step count with the best mean average accuracy, that accuracy, and the last step count's."""
+    rows = results["summary"]["rows"]
+    present = [(steps, rows[f"wudi_{steps}"]["average"]["mean"]) for steps in WUDI_STEPS if f"wudi_{steps}" in rows]
+    if not present:
+        return None
+    best = max(present, key=lambda item: item[1])
+    return best[0], best[1], present[-1][1]
+
+
+def markdown(settings: Mapping[str, Mapping[str, Any]]) -> str:
+    """The table of every row in every setting (average test accuracy, mean ± std over seeds, in %) and the claims."""
+    names = list(settings)
+    pct = lambda s: f"{100 * s['mean']:.1f} ± {100 * s['std']:.1f}"  # noqa: E731
+    lines = ["| method | " + " | ".join(f"{name} ({_seeds(settings[name])})" for name in names)
+             + " |", "|---" + "|---:" * len(names) + "|"]  # fmt: skip
+    titles: dict[str, str] = {"base": "Base model (probe heads)", "experts": "Individual experts"}
+    for results in settings.values():
+        titles.update({k: r["title"] for k, r in results["summary"]["rows"].items() if k not in SWEEP})
+    for label, title in titles.items():
+        cells = []
+        for results in settings.values():
+            summary = results["summary"]
+            figure = summary.get(label) or summary["rows"].get(label)
+            cells.append(pct(figure["average"]) if figure else "–")
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    lines += ["", "Paired differences (points; mean ± std over seeds of the per-seed difference; in brackets the two "
+              "rows' own seed stds):", "", "| difference | " + " | ".join(names) + " |",
+              "|---" + "|---:" * len(names) + "|"]  # fmt: skip
+    for row, against in CLAIMS:
+        cells = []
+        for results in settings.values():
+            diff, rows = paired(results, row, against), results["summary"]["rows"]
+            if diff is None:
+                cells.append("–")
+                continue
+            spread = "/".join(f"{100 * rows[k]['average']['std']:.1f}" for k in (row, against))
+            cells.append(f"{100 * diff['mean']:+.2f} ± {100 * diff['std']:.2f} ({spread})")
+        title = lambda k: next((s["summary"]["rows"][k]["title"] for s in settings.values()  # noqa: E731
+                                if k in s["summary"]["rows"]), k)  # fmt: skip
+        lines.append(f"| {title(row)} − {title(against)} | " + " | ".join(cells) + " |")
+    lines += ["", "| WUDI step sweep | " + " | ".join(names) + " |", "|---" + "|---:" * len(names) + "|"]
+    peaks = [sweep_peak(results) for results in settings.values()]
+    lines.append("| best step count (its avg acc) | " + " | ".join(
+        f"{p[0]} ({100 * p[1]:.1f})" if p else "–" for p in peaks) + " |")  # fmt: skip
+    lines.append(f"| {WUDI_STEPS[-1]} steps | " + " | ".join(f"{100 * p[2]:.1f}" if p else "–" for p in peaks) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(settings: Mapping[str, Mapping[str, Any]], folder: Path) -> list[Path]:
+    """``accuracy-settings.png`` (one panel per setting: each row's average test accuracy, mean ± std over seeds,
+    with the base and experts lines) and ``wudi-steps-settings.png`` (the step sweeps as the share of the base ->
+    experts gap closed, so settings of different accuracy share an axis; D C⁺ and SWUDI-A dashed and dotted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    order = [k for k in next(iter(settings.values()))["summary"]["rows"] if k not in SWEEP]
+    fig, axes = plt.subplots(1, len(settings), figsize=(4.2 * len(settings) + 2.5, 0.33 * len(order) + 1.6),
+                             sharey=True, squeeze=False)  # fmt: skip
+    titles = [next((s["summary"]["rows"][k]["title"] for s in settings.values() if k in s["summary"]["rows"]), k)
+              for k in order]  # fmt: skip
+    for ax, (name, results) in zip(axes[0], settings.items(), strict=True):
+        summary = results["summary"]
+        figs = [summary["rows"].get(k, {}).get("average") for k in order]
+        means = [100 * f["mean"] if f else math.nan for f in figs]
+        ax.barh(titles, means, xerr=[100 * f["std"] if f else 0 for f in figs], color="tab:blue", alpha=0.8)
+        for key, style in (("base", "--"), ("experts", ":")):
+            ax.axvline(100 * summary[key]["average"]["mean"], color="k", linestyle=style, label=key)
+        low = min(100 * summary["base"]["average"]["mean"], *(m for m in means if not math.isnan(m))) - 2
+        ax.set_xlim(low, 100 * summary["experts"]["average"]["mean"] + 1)
+        ax.set_title(f"{name}, {_seeds(results)}", fontsize=10)
+        ax.set_xlabel(f"avg test accuracy, {len(summary['tasks'])} tasks (%)")
+    axes[0][0].invert_yaxis()
+    axes[0][-1].legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    out = [folder / "accuracy-settings.png"]
+    fig.savefig(out[0], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for i, (name, results) in enumerate(settings.items()):
+        rows, color = results["summary"]["rows"], f"C{i}"
+        steps = [s for s in WUDI_STEPS if f"wudi_{s}" in rows]
+        gap = [rows[f"wudi_{s}"]["gap_closed"] for s in steps]
+        ax.errorbar(steps, [100 * g["mean"] for g in gap], yerr=[100 * g["std"] for g in gap], marker="o",
+                    color=color, label=f"{name}: WUDI")  # fmt: skip
+        for key, style in (("closed_form", "--"), ("swudi_a_psqrt", ":")):
+            if key in rows:
+                ax.axhline(100 * rows[key]["gap_closed"]["mean"], color=color, linestyle=style, linewidth=1)
+    ax.plot([], [], "k--", linewidth=1, label="D C⁺ (each setting's colour)")
+    ax.plot([], [], "k:", linewidth=1, label="SWUDI-A psqrt")
+    ax.set_xscale("log")
+    ax.set_xlabel("WUDI optimizer steps (log scale)")
+    ax.set_ylabel("base → experts gap closed (%)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.append(folder / "wudi-steps-settings.png")
+    fig.savefig(out[1], dpi=110)
+    plt.close(fig)
+    return out
