@@ -24,7 +24,8 @@ and whether the two keep the same K. Layers:
 
 ``--models DIR`` (``bench/memory.py generate``'s layout: base/, expert0/ ...) adds a whole-model SWUDI-A merge,
 run twice in this process: with the partial eigensolver, and with it switched off (every layer through eigh, as
-before issue 23); seconds of each and the largest relative difference of a merged tensor. ``--before-src SRC``
+before issue 23); seconds of each, the largest relative difference of a merged tensor, and that tensor's SWUDI-A
+merge through each route in float32 against float64 (which route the difference comes from). ``--before-src SRC``
 (the ``src/`` folder of an older checkout, e.g. a ``git worktree`` of the commit before issue 23, 1b7c0ec) runs
 the same merge with that code first, in a child process (only ``merge`` timed), for before and after in one run.
 """
@@ -87,6 +88,17 @@ def b_route_only() -> Iterator[None]:
         yield
     finally:
         projection.product_pays = chosen
+
+
+@contextlib.contextmanager
+def eigensolver_route(route: str) -> Iterator[None]:
+    """``partial``: the partial eigensolver where it pays (the default); ``eigh``: every layer through eigh."""
+    size = eigensolver.PARTIAL_MIN_SIZE
+    eigensolver.PARTIAL_MIN_SIZE = size if route == "partial" else 10**9
+    try:
+        yield
+    finally:
+        eigensolver.PARTIAL_MIN_SIZE = size
 
 
 CHECKED_WIDTH = 3072  # on a GPU, layers up to this wide are also merged in float64 on the CPU for comparison
@@ -176,6 +188,36 @@ def largest_change(merged: Path, reference: Path) -> tuple[float, str]:
     return worst, where
 
 
+def read_tensor(folder: Path, name: str) -> torch.Tensor:
+    """Tensor ``name`` of a model folder (one file, or shards with ``model.safetensors.index.json``), float32."""
+    import json
+
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    file = json.loads(index.read_text())["weight_map"][name] if index.is_file() else "model.safetensors"
+    with safe_open(folder / file, "pt") as f:
+        return f.get_tensor(name).float()
+
+
+def route_accuracy(base: Path, experts: list[Path], name: str) -> None:
+    """SWUDI-A on one tensor in float32 with the partial eigensolver and through eigh, each against float64."""
+    weight = read_tensor(base, name)
+    stack = torch.stack([read_tensor(expert, name) - weight for expert in experts])
+    exact = get_method("swudi_a")(stack.double())
+    kept = int(exact.diagnostics["kept_rank"])
+    print(f"SWUDI-A on {name} ({stack.shape[1]} x {stack.shape[2]}), float32 against float64 (K {kept}):\n")
+    print("| route | seconds | K | against float64 |\n|---|---:|---:|---:|")
+    for route in ("partial", "eigh"):
+        with eigensolver_route(route):
+            start = time.perf_counter()
+            result = get_method("swudi_a")(stack)
+            seconds = time.perf_counter() - start
+        change = (result.delta.double() - exact.delta).norm() / exact.delta.norm()
+        print(f"| {route} | {seconds:.1f} | {int(result.diagnostics['kept_rank'])} | {float(change):.1e} |")
+    print()
+
+
 def whole_model(models: Path, parser: Parser, before_src: Path | None) -> None:
     from specmerge import merge
 
@@ -194,15 +236,11 @@ def whole_model(models: Path, parser: Parser, before_src: Path | None) -> None:
             print(f"| before ({before_src}) | {float(done.stdout.split()[-1]):.1f} |", flush=True)
             outputs["before"] = out
         for route in ("partial", "eigh"):
-            size = eigensolver.PARTIAL_MIN_SIZE
-            eigensolver.PARTIAL_MIN_SIZE = size if route == "partial" else 10**9
-            try:
+            with eigensolver_route(route):
                 start = time.perf_counter()
                 out = Path(work) / route
                 merge(base, experts, out, method="swudi_a", progress=False, threads=torch.get_num_threads())
                 seconds = time.perf_counter() - start
-            finally:
-                eigensolver.PARTIAL_MIN_SIZE = size
             print(f"| {route} | {seconds:.1f} |", flush=True)
             outputs[route] = Path(work) / route
         print()
@@ -210,6 +248,8 @@ def whole_model(models: Path, parser: Parser, before_src: Path | None) -> None:
             worst, where = largest_change(outputs["partial"], outputs[other])
             print(f"largest relative difference of a merged tensor, partial against {other}: {worst:.1e} ({where})")
     print()
+    if where:
+        route_accuracy(base, experts, where)
 
 
 def main() -> None:

@@ -103,3 +103,23 @@ def test_compute_floor_whole_model_with_before_src(family, capsys):
         # tiny layers take eigh on both routes and in both processes, with the same thread count: the same float32
         # operations, so any difference is a few float32 roundings (eps 1.2e-7) of well-conditioned sums
         assert float(line.split(": ")[1].split()[0]) <= 1e-5, line
+
+
+def test_compute_floor_route_accuracy_names_each_route(family, capsys):
+    """The check run on the tensor that differs most: SWUDI-A through both routes, each against float64."""
+    floor = runpy.run_path(str(BENCH / "compute_floor.py"))
+    name, experts = "model.layers.0.mlp.down_proj.weight", [family / "expert0", family / "expert1"]
+    floor["route_accuracy"](family / "base", experts, name)
+    out = capsys.readouterr().out
+    assert out.startswith(f"SWUDI-A on {name} (") and "float32 against float64 (K " in out, out
+    kept = int(out.split("(K ")[1].split(")")[0])
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith(("| partial |", "| eigh |"))]
+    assert len(rows) == 2 and all(int(row[2]) == kept for row in rows), out
+    # Davis-Kahan: a backward error of eps_32 lambda_1 turns the kept subspace by at most eps_32 lambda_1 / gap_K
+    weight = floor["read_tensor"](family / "base", name)
+    stack = torch.stack([floor["read_tensor"](e, name) - weight for e in experts]).double()
+    rows_m = (stack / stack.flatten(1).norm(dim=1)[:, None, None]).reshape(-1, stack.shape[2])
+    lam = torch.linalg.eigvalsh(rows_m.T @ rows_m).flip(0)
+    bound = torch.finfo(torch.float32).eps * float(lam[0] / (lam[kept - 1] - lam[kept]))
+    for row in rows:
+        assert float(row[3].rstrip(" |")) <= bound, (out, bound)
