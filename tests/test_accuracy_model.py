@@ -227,3 +227,7 @@ def test_build_experts_caches_every_stage(world, tiny_model_dir, monkeypatch):
     assert again["experts"][0]["shape"]["cached"]
     assert again["experts"][0]["shape"]["test"] == first["experts"][0]["shape"]["test"]
     assert again["paths"] == first["paths"]
+    # a reader of experts (train_missing=False) gets the cached ones, and an error naming a seed never trained
+    assert stages.build_experts(world["cache"], seeds=(0,), train_missing=False, **kwargs)["paths"] == first["paths"]
+    with pytest.raises(stages.AccuracyDataError, match=r"seed1/colour is not built \(the full expert of seed 1\)"):
+        stages.build_experts(world["cache"], seeds=(1,), train_missing=False, **kwargs)

@@ -53,6 +53,8 @@ def cases(tmp: Path, family: Path) -> list[tuple[list[str], str]]:
         (["accuracy_investigate.py", "--cache", str(tmp / "empty")], "holds no experts of seed 0"),
         (["lora_equivalence.py", "--cache", str(tmp / "empty")], "holds no LoRA experts of seed 0"),
         (["lora_equivalence.py", "--cache", str(tmp / "none")], "is not a folder"),
+        (["expert_margins.py", "--cache", str(tmp / "none")], "is not a folder"),
+        (["expert_margins.py", "--cache", str(tmp / "empty"), "--track", "lora"], "holds no lora experts of seed 0"),
         (["lora_speed.py", "--methods", "ties"], "invalid choice: 'ties'"),
         (["ray_executor.py", "--models", str(tmp / "empty"), "--work", str(tmp / "w")], "is not a folder"),
         (["compute_floor.py", "--repeats", "0"], "--repeats must be at least 1"),

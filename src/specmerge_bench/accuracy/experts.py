@@ -212,6 +212,7 @@ def build_experts(
     model_dir: str | Path | None = None,
     manifest: Mapping | None = None,
     log: Callable[[str], None] | None = None,
+    train_missing: bool = True,
 ) -> dict:
     """Build (or read from the cache) tokens, probe heads and one expert per (seed, task); return a summary.
 
@@ -222,11 +223,12 @@ def build_experts(
     ``lora_alpha`` becomes 2 x rank).
 
     ``manifest`` defaults to ``build_tasks(cache_dir)`` (its ``tasks_dir`` is relative to ``cache_dir``);
-    ``model_dir`` to the pinned base model. ``log`` receives one line per stage. The summary (also written to
-    ``experts/<key>/summary-seeds-<seeds>.json``) holds the cache ``paths`` (``tokens``: the encoded file,
-    ``heads``, ``experts``: seed -> task -> folder), ``probes`` (per task chosen L2 and base train / val / test
-    accuracy), ``experts`` (seed -> task -> val / test accuracy on its own task and seconds), ``seconds`` per
-    stage as measured when it was built, ``cached`` flags, and ``eval_sentences_per_second``.
+    ``model_dir`` to the pinned base model. ``train_missing=False`` raises ``AccuracyDataError`` for an expert not
+    in the cache instead of training it (for tools that only read experts). ``log`` receives one line per stage. The
+    summary (also written to ``experts/<key>/summary-seeds-<seeds>.json``) holds the cache ``paths`` (``tokens``:
+    the encoded file, ``heads``, ``experts``: seed -> task -> folder), ``probes`` (per task chosen L2 and base train
+    / val / test accuracy), ``experts`` (seed -> task -> val / test accuracy on its own task and seconds),
+    ``seconds`` per stage as measured when it was built, ``cached`` flags, and ``eval_sentences_per_second``.
     """
     cache_dir = Path(cache_dir).resolve()
     say = log or (lambda line: None)
@@ -279,6 +281,9 @@ def build_experts(
         experts[seed], paths[seed] = {}, {}
         for task in tasks_encoded:
             folder = experts_dir / f"seed{seed}" / task
+            if not train_missing and not (folder / "scores.json").is_file():
+                build = f"specmerge-bench accuracy --cache {cache_dir} --track {track}"
+                raise AccuracyDataError(f"{folder} is not built (the {track} expert of seed {seed}); build it: {build}")
             record = _expert(folder, kind, base, scratch, tasks_encoded, heads, task, seed, hyper)
             experts[seed][task], paths[seed][task] = record, str(folder)
             gap = record["val"][task] - probes["tasks"][task]["val"]

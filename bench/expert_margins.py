@@ -1,0 +1,80 @@
+"""How clearly each expert beats the base on its own task's val split: accuracies, and McNemar's exact test.
+
+    python bench/expert_margins.py --cache DIR [--track full|lora] [--tasks 8|16] [--seeds 0 1 2] [--precision P]
+
+The accuracy benchmark asks every expert to beat the base on its own task on val by a clear margin. The two are
+scored on the same val sentences, so the test is paired: b sentences only the expert gets right, c only the base,
+and under "neither is better" b is Binomial(b + c, 1/2). Prints, per seed and task, base and expert val accuracy,
+the gap, b, c and the exact two-sided p-value (``scipy.stats.binomtest``). Reads the cached experts of
+``specmerge-bench accuracy`` (LoRA adapters scored as their ``merge_and_unload`` checkpoints, as the benchmark
+does); an expert not in the cache is an error, never trained here. No test split is read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specmerge_bench.accuracy import model as accuracy_model
+from specmerge_bench.accuracy import precision
+from specmerge_bench.accuracy.bench import load_experts, load_scoring
+from specmerge_bench.accuracy.data import AccuracyDataError
+from specmerge_bench.accuracy.settings import SETTINGS, build_setting
+from specmerge_bench.inputs import Parser, fail
+
+
+def correct(model, encoded, head) -> torch.Tensor:
+    """Per-sentence correctness (bool) of ``model`` with ``head`` on one encoded split."""
+    features = accuracy_model.pooled_features(model, encoded.inputs)
+    return head.logits(features).argmax(1) == encoded.labels
+
+
+def main() -> None:
+    from scipy.stats import binomtest
+
+    parser = Parser(prog="expert_margins.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--cache", type=Path, required=True, help="the cache folder of specmerge-bench accuracy")
+    parser.add_argument("--track", choices=("full", "lora"), default="full", help="which experts (default full)")
+    parser.add_argument("--tasks", type=int, choices=sorted(SETTINGS), default=8, help="the setting (default 8)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds (default 0)")
+    parser.add_argument("--precision", choices=precision.PRECISIONS, default="auto",
+                        help="as the benchmark's: bfloat16 autocast or float32 (auto: bf16 if native)")  # fmt: skip
+    args = parser.parse_args()
+    if not args.cache.is_dir():
+        parser.error(f"--cache {args.cache} is not a folder")
+    folder = "lora-experts" if args.track == "lora" else "experts"
+    for seed in args.seeds:
+        if not any((args.cache / folder).glob(f"*/seed{seed}/*/scores.json")):
+            build = f"specmerge-bench accuracy --cache {args.cache} --track {args.track} --seeds {seed}"
+            parser.error(f"--cache {args.cache} holds no {args.track} experts of seed {seed}; run `{build}`")
+    precision.choose(args.precision)
+    try:
+        built = build_setting(args.cache.resolve(), args.seeds, args.tasks, track=args.track, train_missing=False)
+    except (AccuracyDataError, OSError) as err:
+        fail(parser.prog, str(err))
+    base_model, base, tasks_encoded, heads = load_scoring(built)
+    base_right = {task: correct(base_model, tasks_encoded[task]["val"], heads[task]) for task in built["tasks"]}
+    print(f"{args.track} experts, {len(built['tasks'])} tasks, precision {precision.tag()}\n")
+    print("| seed | task | base val | expert val | gap | b (expert only) | c (base only) | p (McNemar, exact) |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for seed in args.seeds:
+        if args.track == "lora":
+            from specmerge_bench.accuracy.lora import dense_expert
+
+            experts = {t: dense_expert(base_model, folder) for t, folder in built["paths"]["experts"][seed].items()}
+        else:
+            experts = load_experts(built, seed, base)
+        scratch = accuracy_model.load_base()[0]
+        for task, state in experts.items():
+            accuracy_model.load_state(scratch, state)
+            mine, theirs = correct(scratch, tasks_encoded[task]["val"], heads[task]), base_right[task]
+            b, c = int((mine & ~theirs).sum()), int((theirs & ~mine).sum())
+            p = binomtest(b, b + c, 0.5).pvalue if b + c else 1.0
+            acc = lambda right: float(right.double().mean())  # noqa: E731
+            print(f"| {seed} | {task} | {acc(theirs):.3f} | {acc(mine):.3f} | {acc(mine) - acc(theirs):+.3f} | "
+                  f"{b} | {c} | {p:.1e} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
