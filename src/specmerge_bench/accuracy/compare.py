@@ -57,6 +57,12 @@ def _seeds(results: Mapping[str, Any]) -> str:
     return f"{count} seed{'s' if count > 1 else ''}"
 
 
+def _title(settings: Mapping[str, Mapping[str, Any]], label: str) -> str:
+    """A row's title, from the first setting that has the row."""
+    rows = (results["summary"]["rows"] for results in settings.values())
+    return next((r[label]["title"] for r in rows if label in r), label)
+
+
 def _stats(values: Sequence[float]) -> dict[str, float]:
     mean = exact_mean(values)
     var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
@@ -115,9 +121,7 @@ def markdown(settings: Mapping[str, Mapping[str, Any]]) -> str:
                 continue
             spread = "/".join(f"{100 * rows[k]['average']['std']:.1f}" for k in (row, against))
             cells.append(f"{100 * diff['mean']:+.2f} ± {100 * diff['std']:.2f} ({spread})")
-        title = lambda k: next((s["summary"]["rows"][k]["title"] for s in settings.values()  # noqa: E731
-                                if k in s["summary"]["rows"]), k)  # fmt: skip
-        lines.append(f"| {title(row)} − {title(against)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_title(settings, row)} − {_title(settings, against)} | " + " | ".join(cells) + " |")
     lines += ["", "| WUDI step sweep | " + " | ".join(names) + " |", "|---" + "|---:" * len(names) + "|"]
     peaks = [sweep_peak(results) for results in settings.values()]
     lines.append("| best step count (its avg acc) | " + " | ".join(
@@ -139,8 +143,7 @@ def plots(settings: Mapping[str, Mapping[str, Any]], folder: Path) -> list[Path]
     order = [k for k in next(iter(settings.values()))["summary"]["rows"] if k not in SWEEP]
     fig, axes = plt.subplots(1, len(settings), figsize=(4.2 * len(settings) + 2.5, 0.33 * len(order) + 1.6),
                              sharey=True, squeeze=False)  # fmt: skip
-    titles = [next((s["summary"]["rows"][k]["title"] for s in settings.values() if k in s["summary"]["rows"]), k)
-              for k in order]  # fmt: skip
+    titles = [_title(settings, k) for k in order]
     for ax, (name, results) in zip(axes[0], settings.items(), strict=True):
         summary = results["summary"]
         figs = [summary["rows"].get(k, {}).get("average") for k in order]
