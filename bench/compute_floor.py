@@ -232,7 +232,8 @@ def whole_model(models: Path, parser: Parser, before_src: Path | None) -> None:
             argv = [str(torch.get_num_threads()), str(base), str(out), *map(str, experts)]
             done = subprocess.run([sys.executable, "-c", BEFORE_JOB, *argv], env=env, capture_output=True, text=True)
             if done.returncode != 0:
-                fail(parser.prog, f"the --before-src merge failed: {done.stderr.strip().splitlines()[-1:]}")
+                last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+                fail(parser.prog, f"the --before-src merge failed (exit {done.returncode}): {last}")
             print(f"| before ({before_src}) | {float(done.stdout.split()[-1]):.1f} |", flush=True)
             outputs["before"] = out
         for route in ("partial", "eigh"):
