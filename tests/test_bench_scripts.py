@@ -107,6 +107,17 @@ def test_compute_floor_whole_model_with_before_src(family, capsys):
         assert float(line.split(": ")[1].split()[0]) <= 1e-5, line
 
 
+def test_compute_floor_names_a_failed_before_merge(tmp_path, family, capsys):
+    broken = tmp_path / "src" / "specmerge"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise RuntimeError('broken on purpose')\n")
+    with pytest.raises(SystemExit) as exit_:
+        run_script("compute_floor.py", "--models", str(family), "--before-src", str(tmp_path / "src"))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "the --before-src merge failed (exit 1): RuntimeError: broken on purpose" in err, err
+
+
 def test_compute_floor_route_accuracy_names_each_route(family, capsys):
     """The check run on the tensor that differs most: SWUDI-A through both routes, each against float64."""
     floor = runpy.run_path(str(BENCH / "compute_floor.py"))
