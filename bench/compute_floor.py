@@ -188,22 +188,16 @@ def largest_change(merged: Path, reference: Path) -> tuple[float, str]:
     return worst, where
 
 
-def read_tensor(folder: Path, name: str) -> torch.Tensor:
-    """Tensor ``name`` of a model folder (one file, or shards with ``model.safetensors.index.json``), float32."""
-    import json
-
-    from safetensors import safe_open
-
-    index = folder / "model.safetensors.index.json"
-    file = json.loads(index.read_text())["weight_map"][name] if index.is_file() else "model.safetensors"
-    with safe_open(folder / file, "pt") as f:
-        return f.get_tensor(name).float()
-
-
 def route_accuracy(base: Path, experts: list[Path], name: str) -> None:
     """SWUDI-A on one tensor in float32 with the partial eigensolver and through eigh, each against float64."""
-    weight = read_tensor(base, name)
-    stack = torch.stack([read_tensor(expert, name) - weight for expert in experts])
+    from specmerge.io.sources import open_source
+
+    def read(folder: Path) -> torch.Tensor:
+        with open_source(folder) as source:
+            return source.load(name).float()
+
+    weight = read(base)
+    stack = torch.stack([read(expert) - weight for expert in experts])
     exact = get_method("swudi_a")(stack.double())
     kept = int(exact.diagnostics["kept_rank"])
     print(f"SWUDI-A on {name} ({stack.shape[1]} x {stack.shape[2]}), float32 against float64 (K {kept}):\n")

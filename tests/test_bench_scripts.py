@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specmerge.io.sources import open_source
 from specmerge_bench.cli import main as bench_main
 from tiny_models import build_family
 
@@ -129,8 +130,13 @@ def test_compute_floor_route_accuracy_names_each_route(family, capsys):
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith(("| partial |", "| eigh |"))]
     assert len(rows) == 2 and all(int(row[2]) == kept for row in rows), out
     # Davis-Kahan: a backward error of eps_32 lambda_1 turns the kept subspace by at most eps_32 lambda_1 / gap_K
-    weight = floor["read_tensor"](family / "base", name)
-    stack = torch.stack([floor["read_tensor"](e, name) - weight for e in experts]).double()
+    with open_source(family / "base") as base:
+        weight = base.load(name)
+    stack = []
+    for expert in experts:
+        with open_source(expert) as source:
+            stack.append(source.load(name) - weight)
+    stack = torch.stack(stack).double()
     rows_m = (stack / stack.flatten(1).norm(dim=1)[:, None, None]).reshape(-1, stack.shape[2])
     lam = torch.linalg.eigvalsh(rows_m.T @ rows_m).flip(0)
     bound = torch.finfo(torch.float32).eps * float(lam[0] / (lam[kept - 1] - lam[kept]))

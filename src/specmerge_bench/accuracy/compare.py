@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from specmerge_bench.accuracy.report import exact_mean
+from specmerge_bench.accuracy.report import exact_mean, seed_stats
 from specmerge_bench.accuracy.rows import WUDI_STEPS
 
 # (row, against): the paper's orderings, the closed-form filters first (sections 5-6: D C+ -> SWUDI-A, the
@@ -63,12 +63,6 @@ def _title(settings: Mapping[str, Mapping[str, Any]], label: str) -> str:
     return next((r[label]["title"] for r in rows if label in r), label)
 
 
-def _stats(values: Sequence[float]) -> dict[str, float]:
-    mean = exact_mean(values)
-    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
-    return {"mean": mean, "std": math.sqrt(var), "n": len(values)}
-
-
 def average(seed: Mapping[str, Any], label: str) -> float:
     """A row's average test accuracy over the tasks in one seed."""
     test = seed["rows"][label]["test"]
@@ -80,7 +74,7 @@ def paired(results: Mapping[str, Any], row: str, against: str) -> dict[str, floa
     seeds = results["per_seed"]
     if any(label not in seed["rows"] for seed in seeds for label in (row, against)):
         return None
-    return _stats([average(seed, row) - average(seed, against) for seed in seeds])
+    return seed_stats([average(seed, row) - average(seed, against) for seed in seeds])
 
 
 def sweep_peak(results: Mapping[str, Any]) -> tuple[int, float, float] | None:

@@ -22,17 +22,19 @@ def exact_mean(values: Sequence[float]) -> float:
     return math.fsum(values) / len(values)
 
 
+def seed_stats(values: Sequence[float]) -> dict[str, float]:
+    """Mean and sample standard deviation over seeds (0 for one seed; nan stays nan: a task whose expert equals the
+    base)."""
+    mean = exact_mean(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+    return {"mean": mean, "std": math.sqrt(var)}
+
+
 def summarize(per_seed: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Mean and std over seeds of average accuracy, normalised accuracy and gap closed, per row; for an AdaMerging
     row (one with an ``anchor``) also of its change in average accuracy over the anchor and of its mean entropy
     before and after."""
     tasks = per_seed[0]["tasks"]
-
-    def stats(values: Sequence[float]) -> dict[str, float]:
-        """Mean and sample standard deviation (nan stays nan: a task whose expert equals the base)."""
-        mean = exact_mean(values)
-        var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
-        return {"mean": mean, "std": math.sqrt(var)}
 
     def figures(test_of: Callable[[Mapping[str, Any]], Mapping[str, float]]) -> dict[str, Any]:
         avg, norm, gap = [], [], []
@@ -47,8 +49,8 @@ def summarize(per_seed: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                               for t in tasks]))  # fmt: skip
             for t in tasks:
                 per_task[t].append(test[t])
-        return {"average": stats(avg), "normalised": stats(norm), "gap_closed": stats(gap),
-                "per_task": {t: stats(v) for t, v in per_task.items()}}  # fmt: skip
+        return {"average": seed_stats(avg), "normalised": seed_stats(norm), "gap_closed": seed_stats(gap),
+                "per_task": {t: seed_stats(v) for t, v in per_task.items()}}  # fmt: skip
 
     summary = {
         "seeds": len(per_seed),
@@ -68,9 +70,9 @@ def summarize(per_seed: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             change = [exact_mean([s["rows"][label]["test"][t] - s["rows"][anchor]["test"][t] for t in tasks])
                       for s in per_seed]  # fmt: skip
             entropy = [s["rows"][label]["entropy"] for s in per_seed]
-            summary["rows"][label].update({"anchor": anchor, "change": stats(change),
-                                           "entropy": {"start": stats([e[0] for e in entropy]),
-                                                       "end": stats([e[1] for e in entropy])}})  # fmt: skip
+            summary["rows"][label].update({"anchor": anchor, "change": seed_stats(change),
+                                           "entropy": {"start": seed_stats([e[0] for e in entropy]),
+                                                       "end": seed_stats([e[1] for e in entropy])}})  # fmt: skip
     return summary
 
 
