@@ -12,6 +12,7 @@ does); an expert not in the cache is an error, never trained here. No test split
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -54,6 +55,7 @@ def main() -> None:
     except (AccuracyDataError, OSError) as err:
         fail(parser.prog, str(err))
     base_model, base, tasks_encoded, heads = load_scoring(built)
+    scratch = copy.deepcopy(base_model)  # each expert's weights are loaded into it in turn
     base_right = {task: correct(base_model, tasks_encoded[task]["val"], heads[task]) for task in built["tasks"]}
     print(f"{args.track} experts, {len(built['tasks'])} tasks, precision {precision.tag()}\n")
     print("| seed | task | base val | expert val | gap | b (expert only) | c (base only) | p (McNemar, exact) |")
@@ -65,7 +67,6 @@ def main() -> None:
             experts = {t: dense_expert(base_model, folder) for t, folder in built["paths"]["experts"][seed].items()}
         else:
             experts = load_experts(built, seed, base)
-        scratch = accuracy_model.load_base()[0]
         for task, state in experts.items():
             accuracy_model.load_state(scratch, state)
             mine, theirs = correct(scratch, tasks_encoded[task]["val"], heads[task]), base_right[task]
