@@ -5,7 +5,10 @@
         --setting "8 tasks, LoRA=CACHE/results/lora-<folder>" \\
         --setting "16 tasks, full=CACHE/results/<16-task folder>" --out docs/img
 
-Each ``--setting NAME=FOLDER`` is a results folder of ``specmerge-bench accuracy`` (``results.json``). Prints a
+Each ``--setting NAME=PATH[,PATH...]`` names one setting's runs: results folders of ``specmerge-bench accuracy``
+(``results.json``) and score files ``scores/<experts key>/seed<k>-<code key>-<precision>.json`` of a run stopped
+before its end (its finished rows), in a cache or kept by ``bench/accuracy_keep.py``; their seeds are pooled on
+the rows every seed has. Prints a
 markdown table (average test accuracy per row and setting, mean ± std over that setting's seeds), the paper's
 orderings as paired per-seed differences with each row's own seed std (``specmerge_bench.accuracy.compare``), the
 WUDI step sweep's best step count, and writes ``accuracy-settings.png`` and ``wudi-steps-settings.png`` in --out.
@@ -16,25 +19,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specmerge_bench.accuracy.compare import ResultsError, load_results, markdown, plots
+from specmerge_bench.accuracy.compare import ResultsError, load_setting, markdown, plots
 from specmerge_bench.inputs import Parser, fail
 
 
 def main() -> None:
     parser = Parser(prog="accuracy_settings.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--setting", action="append", required=True, metavar="NAME=FOLDER",
-                        help="a setting's name and its results folder; repeat for each setting")  # fmt: skip
+    parser.add_argument("--setting", action="append", required=True, metavar="NAME=PATH[,PATH...]",
+                        help="a setting's name and its runs (results folders, score files), comma-separated; repeat "
+                             "for each setting")  # fmt: skip
     parser.add_argument("--out", type=Path, help="folder for the two plots (default: no plots)")
     args = parser.parse_args()
     settings = {}
     for item in args.setting:
-        name, sep, folder = item.partition("=")
-        if not sep or not name or not folder:
-            parser.error(f"--setting {item!r}: expected NAME=FOLDER")
+        name, sep, paths = item.partition("=")
+        if not sep or not name or not paths:
+            parser.error(f"--setting {item!r}: expected NAME=PATH[,PATH...]")
         if name in settings:
             parser.error(f"--setting {name!r} is given twice")
         try:
-            settings[name] = load_results(Path(folder))
+            settings[name] = load_setting([Path(p) for p in paths.split(",")])
         except ResultsError as err:
             fail(parser.prog, str(err))
     print(markdown(settings))

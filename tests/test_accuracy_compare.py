@@ -55,9 +55,10 @@ def test_the_command_refuses_bad_settings_in_one_line(tmp_path, capsys):
     (tmp_path / "bad" / "results.json").write_text('{"summary": {}}')
     script = Path(__file__).resolve().parents[1] / "bench" / "accuracy_settings.py"
     for args, message in [
-        (["--setting", "no-equals"], "expected NAME=FOLDER"),
+        (["--setting", "no-equals"], "expected NAME=PATH[,PATH...]"),
         (["--setting", f"x={good}", "--setting", f"x={good}"], "'x' is given twice"),
-        (["--setting", f"x={tmp_path / 'none'}"], "results.json does not exist"),
+        (["--setting", f"x={tmp_path / 'none'}"], "none does not exist"),
+        (["--setting", f"x={good},{good / 'results.json'}"], "is not a score file"),
         (["--setting", f"x={tmp_path / 'bad'}"], "is not a results file of specmerge-bench accuracy"),
     ]:
         argv, sys.argv = sys.argv, [str(script), *args]

@@ -145,7 +145,7 @@ def test_a_merge_code_change_rescores_only_the_changed_weights(bert, tmp_path, m
     for label, row in again["rows"].items():
         assert {**row, "seconds": None} == {**legacy["rows"][label], "seconds": None}
     run("old")
-    assert merged == [0] and scored == []  # everything cached with digests: no merge at all
+    assert merged == [] and scored == []  # everything cached with digests: no merge at all
     run("new")  # a new code key whose weights are bit for bit the old ones: merged, nothing scored
     assert merged[0] > 0 and scored == []
     changed = run("newer", nudge="ties")
@@ -168,3 +168,29 @@ def test_weights_digest_sees_every_bit_name_and_dtype():
                   {"a": x.reshape(5, 4), "b": state["b"]}, {"a": x.t(), "b": state["b"]}):  # fmt: skip
         assert weights_digest(other) != same
     assert weights_digest({"a": x.to(torch.bfloat16)}) != weights_digest({"a": x.to(torch.float16)})
+
+
+def test_the_main_rows_are_scored_before_the_step_sweep_is_merged(bert, tmp_path, monkeypatch):
+    """The WUDI sweep's long run is merged last, after every main row is scored: a run stopped during it keeps the
+    whole main table."""
+    from specmerge_bench.accuracy import bench, rows
+
+    _, _, base, experts = bert
+    small = rows.method_rows(grids={"swudi": {"rank_ratio": (0.5,), "t": (300.0,)}, "exponential": {"t": (300.0,)}})
+    monkeypatch.setattr(bench, "method_rows", lambda: small)
+    monkeypatch.setattr(rows, "WUDI_STEPS", (2, 3))
+    tasks = dict(zip(KEYS, experts, strict=True))
+    cache = bench.ScoreCache(tmp_path / "scores.json")
+    calls = []
+
+    def merge(candidates, steps, show):
+        main_scored = all(cache.has(f"{c.key}|{s}|val") for r in small for c in r.candidates for s in bench.SCALES)
+        calls.append(({c.method for c in candidates}, list(steps), main_scored))
+        return merge_candidates(base, experts, candidates, wudi_steps=steps, progress=False)
+
+    result = bench.evaluate_seed(base, tasks, lambda state, split: dict.fromkeys(KEYS, 0.5), cache, progress=False,
+                                 merge=merge)  # fmt: skip
+    (main_methods, main_steps, before), (sweep_methods, sweep_steps, after) = calls
+    assert main_methods == {r.candidates[0].method for r in small} - {"wudi"} and main_steps == [300]
+    assert not before and sweep_methods == set() and sweep_steps == [2, 3] and after
+    assert set(result["rows"]) == {r.label for r in small + rows.step_rows()}

@@ -70,23 +70,16 @@ def evaluate_seed(
     ``merge`` computes the candidates' deltas (default: :func:`merge_candidates` on the experts' state dicts; the
     LoRA track's :class:`~specmerge_bench.accuracy.lora.AdapterMerger` merges adapter folders instead).
 
-    Only the candidates with a score (or, where ``cache`` records weights, its weights' digest) missing from
-    ``cache`` are merged, so a rerun over cached scores does no merging at all; a merged candidate whose weights
-    ``cache`` has scored under another code key is not scored again. Merge times are cached with the scores (key
+    The main table's rows are merged and scored first, then the WUDI step sweep (its run to 5,000 steps is the
+    longest merge), so a run stopped in the sweep keeps every main row. Only the candidates with a score (or,
+    where ``cache`` records weights, its weights' digest) missing from ``cache`` are merged, so a rerun over
+    cached scores does no merging at all; a merged candidate whose weights ``cache`` has scored under another code
+    key is not scored again. Merge times are cached with the scores (key
     ``<candidate>|merge``).
     """
     tasks = list(experts)
-    rows = method_rows() + step_rows()
-    needed = {c.key: c for c in missing_candidates(rows, cache, adamerging)}
-    wudi_steps = sorted({c.params["steps"] for c in needed.values() if c.method == "wudi"})  # one run, snapshots
     if merge is None:
         merge = functools.partial(full_merge, base, list(experts.values()))
-
-    deltas = merge([c for c in needed.values() if c.method != "wudi"], wudi_steps, progress and bool(needed))
-    merged = [c.key for c in needed.values() if c.method != "wudi"] + (["wudi_steps"] if wudi_steps else [])
-    for key in merged:
-        routes = {"routes": deltas.routes[key]} if key in deltas.routes else {}
-        cache.put(f"{key}|merge", {"seconds": deltas.seconds[key], **routes})
 
     def both_splits(name: str, state: StateDict) -> dict[str, dict[str, float]]:
         return {
@@ -94,22 +87,30 @@ def evaluate_seed(
             for split in ("val", "test")
         }
 
-    result: dict[str, Any] = {
-        "tasks": tasks,
-        "base": both_splits("base", base),
-        "experts": {},
-        "rows": {},
-        "merge_seconds": {k[: -len("|merge")]: v["seconds"] for k, v in cache.scores.items() if k.endswith("|merge")},
-        "routes": {k[: -len("|merge")]: v["routes"] for k, v in cache.scores.items() if "routes" in v},
-    }
+    result: dict[str, Any] = {"tasks": tasks, "base": both_splits("base", base), "experts": {}, "rows": {}}
     for task, state in experts.items():
         own = expert_scores[task] if expert_scores is not None else both_splits(f"expert-{task}", state)
         result["experts"][task] = {"val": own["val"][task], "test": own["test"][task]}
-    for row in rows:
-        result["rows"][row.label] = choose(row, base, deltas, score, cache)
-        for ada in ADAMERGING_ROWS if adamerging is not None else ():
-            if ada.anchor == row.label:
-                result["rows"][ada.label] = adamerge_row(ada, row, base, deltas, score, cache, adamerging, progress)
+    # the main table first, then the WUDI step sweep (its long run merged only once the main rows are scored)
+    for rows in (method_rows(), step_rows()):
+        needed = {c.key: c for c in missing_candidates(rows, cache, adamerging)}
+        wudi_steps = sorted({c.params["steps"] for c in needed.values() if c.method == "wudi"})  # one run, snapshots
+        todo = [c for c in needed.values() if c.method != "wudi"]
+        deltas = merge(todo, wudi_steps, progress) if needed else MergedDeltas({}, {}, {})
+        merged = [c.key for c in todo] + (["wudi_steps"] if wudi_steps else [])
+        for key in merged:
+            routes = {"routes": deltas.routes[key]} if key in deltas.routes else {}
+            cache.put(f"{key}|merge", {"seconds": deltas.seconds[key], **routes})
+        for row in rows:
+            result["rows"][row.label] = choose(row, base, deltas, score, cache)
+            for ada in ADAMERGING_ROWS if adamerging is not None else ():
+                if ada.anchor == row.label:
+                    result["rows"][ada.label] = adamerge_row(ada, row, base, deltas, score, cache, adamerging,
+                                                             progress)  # fmt: skip
+        del deltas
+    merges = {k[: -len("|merge")]: v for k, v in cache.scores.items() if k.endswith("|merge")}
+    result["merge_seconds"] = {k: v["seconds"] for k, v in merges.items()}
+    result["routes"] = {k: v["routes"] for k, v in merges.items() if "routes" in v}
     return result
 
 
@@ -321,8 +322,9 @@ def _run_benchmark(
         named = f"seed{seed}-{code_key(track)}-{accuracy_precision.tag()}.json"
         by_weights = cache_dir / "scores" / experts_key / f"seed{seed}-{accuracy_precision.tag()}-by-weights.json"
         cache = ScoreCache(cache_dir / "scores" / experts_key / named, by_weights)
-        per_seed.append(evaluate_seed(base, experts, score, cache, adamerging=stage, progress=progress,
-                                      expert_scores=built["experts"][seed], merge=merge))  # fmt: skip
+        per_seed.append({"seed": seed, "track": track, **evaluate_seed(
+            base, experts, score, cache, adamerging=stage, progress=progress, expert_scores=built["experts"][seed],
+            merge=merge)})  # fmt: skip
         seconds[f"merge and score, seed {seed}"] = time.perf_counter() - start
         log(f"seed {seed}: merged and scored in {seconds[f'merge and score, seed {seed}']:.0f} s")
     summary = summarize(per_seed)
@@ -357,6 +359,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "adapter folders")  # fmt: skip
     parser.add_argument("--tasks", type=int, choices=(8, 16), default=8,
                         help="8 (default): the eight tasks; 16: those and eight more")  # fmt: skip
+    parser.add_argument("--scores-from", type=Path, metavar="KEPT",
+                        help="first add the scores by weights kept in KEPT (bench/accuracy_keep.py) to the cache: "
+                             "weights whose every byte was scored there are not scored again")  # fmt: skip
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(run=lambda args: run(args, parser))
 
@@ -369,6 +374,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--seeds must be distinct non-negative integers, got {' '.join(map(str, args.seeds))}")
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
+    if args.scores_from is not None:
+        from specmerge_bench.accuracy.keep import KeepError, import_scores
+
+        try:
+            added = import_scores(args.scores_from, args.cache)
+        except KeepError as err:
+            parser.error(f"--scores-from: {err}")
+        print(f"--scores-from {args.scores_from}: {added} scores by weights added to {args.cache}")
     summary, folder = run_benchmark(
         args.cache,
         args.seeds,

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from specmerge_bench.accuracy.report import exact_mean, seed_stats
+from specmerge_bench.accuracy.report import exact_mean, seed_stats, summarize
 from specmerge_bench.accuracy.rows import WUDI_STEPS
 
 # (row, against): the paper's orderings, the closed-form filters first (sections 5-6: D C+ -> SWUDI-A, the
@@ -49,7 +50,36 @@ def load_results(folder: Path) -> dict[str, Any]:
             raise TypeError("rows are not a mapping")
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise ResultsError(f"{path} is not a results file of specmerge-bench accuracy ({exc!r})") from None
+    seeds = re.search(r"-seeds-([0-9-]+)$", Path(folder).resolve().name)
+    named = [int(k) for k in seeds[1].split("-")] if seeds else [None] * len(results["per_seed"])
+    if len(named) == len(results["per_seed"]):  # results written before each seed recorded its number
+        results["per_seed"] = [{"seed": k, **s} for k, s in zip(named, results["per_seed"], strict=True)]
     return results
+
+
+def load_setting(paths: Sequence[Path]) -> dict[str, Any]:
+    """One setting's results from several runs: results folders and score files (a stopped run's finished rows,
+    :func:`specmerge_bench.accuracy.keep.seed_from_scores`), their seeds pooled on the rows every seed has."""
+    from specmerge_bench.accuracy.keep import KeepError, pool_seeds, seed_from_scores
+
+    per_seed: list[dict[str, Any]] = []
+    for path in paths:
+        if not Path(path).exists():
+            raise ResultsError(f"{path} does not exist (give a results folder or a score file of specmerge-bench "
+                               "accuracy)")  # fmt: skip
+        try:
+            per_seed += load_results(path)["per_seed"] if Path(path).is_dir() else [seed_from_scores(path)]
+        except KeepError as err:
+            raise ResultsError(str(err)) from None
+    seeds = [s.get("seed") for s in per_seed if s.get("seed") is not None]
+    if len(set(seeds)) < len(seeds):
+        raise ResultsError(f"{', '.join(map(str, paths))}: seed {max(seeds, key=seeds.count)} is given twice")
+    if len({s.get("track", "full") for s in per_seed}) > 1:
+        raise ResultsError(f"{', '.join(map(str, paths))}: full and LoRA runs mixed in one setting")
+    if any(sorted(s["tasks"]) != sorted(per_seed[0]["tasks"]) for s in per_seed):
+        raise ResultsError(f"{', '.join(map(str, paths))}: the runs have different task sets")
+    pooled = pool_seeds(per_seed)
+    return {"summary": summarize(pooled), "per_seed": pooled}
 
 
 def _seeds(results: Mapping[str, Any]) -> str:

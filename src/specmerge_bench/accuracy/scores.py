@@ -70,7 +70,11 @@ class JsonStore:
         self.scores: dict[str, dict[str, Any]] = json.loads(path.read_text()) if path.is_file() else {}
 
     def put(self, key: str, value: dict[str, Any]) -> None:
-        self.scores[key] = value
+        self.update({key: value})
+
+    def update(self, entries: Mapping[str, dict[str, Any]]) -> None:
+        """Add or replace ``entries``, with one atomic rewrite of the file."""
+        self.scores.update(entries)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
             json.dump(self.scores, f, indent=0, sort_keys=True)
