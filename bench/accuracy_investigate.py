@@ -21,7 +21,8 @@ from pathlib import Path
 
 from specmerge_bench.accuracy import model as accuracy_model
 from specmerge_bench.accuracy import precision
-from specmerge_bench.accuracy.bench import SCALES, load_experts, load_scoring
+from specmerge_bench.accuracy.bench import SCALES
+from specmerge_bench.accuracy.cache_files import load_experts, load_scoring
 from specmerge_bench.accuracy.data import AccuracyDataError
 from specmerge_bench.accuracy.experts import build_experts
 from specmerge_bench.accuracy.merging import Candidate, merge_candidates

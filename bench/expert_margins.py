@@ -19,7 +19,7 @@ import torch
 
 from specmerge_bench.accuracy import model as accuracy_model
 from specmerge_bench.accuracy import precision
-from specmerge_bench.accuracy.bench import load_experts, load_scoring
+from specmerge_bench.accuracy.cache_files import load_experts, load_scoring
 from specmerge_bench.accuracy.data import AccuracyDataError
 from specmerge_bench.accuracy.settings import SETTINGS, build_setting
 from specmerge_bench.inputs import Parser, fail

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from specmerge.tuning.search import Strategy, search
 from specmerge.tuning.space import Setting
+from specmerge_bench.accuracy.cache_files import load_experts, load_scoring
+from specmerge_bench.accuracy.compare import CLAIMS
 from specmerge_bench.accuracy.merge_store import Merger, MergeStore, stored_merge
 from specmerge_bench.accuracy.merging import Candidate, MergedDeltas, StateDict, merge_candidates
 from specmerge_bench.accuracy.precision import PRECISIONS
@@ -91,7 +93,9 @@ def evaluate_seed(
     for task, state in experts.items():
         own = expert_scores[task] if expert_scores is not None else both_splits(f"expert-{task}", state)
         result["experts"][task] = {"val": own["val"][task], "test": own["test"][task]}
-    # the main table first, then the WUDI step sweep (its long run merged only once the main rows are scored)
+    # the main table first, then the WUDI step sweep (its long run merged only once the main rows are scored);
+    # within each, the rows the paper's claims compare first (CLAIMS), the table keeps the registry's order
+    chosen: dict[str, dict[str, Any]] = {}
     for rows in (method_rows(), step_rows()):
         needed = {c.key: c for c in missing_candidates(rows, cache, adamerging)}
         wudi_steps = sorted({c.params["steps"] for c in needed.values() if c.method == "wudi"})  # one run, snapshots
@@ -101,13 +105,18 @@ def evaluate_seed(
         for key in merged:
             routes = {"routes": deltas.routes[key]} if key in deltas.routes else {}
             cache.put(f"{key}|merge", {"seconds": deltas.seconds[key], **routes})
-        for row in rows:
-            result["rows"][row.label] = choose(row, base, deltas, score, cache)
+        claimed = {label for pair in CLAIMS for label in pair}
+        for row in sorted(rows, key=lambda r: r.label not in claimed):  # stable: registry order otherwise
+            chosen[row.label] = choose(row, base, deltas, score, cache)
             for ada in ADAMERGING_ROWS if adamerging is not None else ():
                 if ada.anchor == row.label:
-                    result["rows"][ada.label] = adamerge_row(ada, row, base, deltas, score, cache, adamerging,
-                                                             progress)  # fmt: skip
+                    chosen[ada.label] = adamerge_row(ada, row, base, deltas, score, cache, adamerging, progress)
         del deltas
+    for row in method_rows() + step_rows():
+        result["rows"][row.label] = chosen[row.label]
+        for ada in ADAMERGING_ROWS if adamerging is not None else ():
+            if ada.anchor == row.label:
+                result["rows"][ada.label] = chosen[ada.label]
     merges = {k[: -len("|merge")]: v for k, v in cache.scores.items() if k.endswith("|merge")}
     result["merge_seconds"] = {k: v["seconds"] for k, v in merges.items()}
     result["routes"] = {k: v["routes"] for k, v in merges.items() if "routes" in v}
@@ -205,27 +214,6 @@ def adamerge_row(
             f"{candidate.describe()}", "scale": scale, "val_mean": None, "test": record["test"],
             "seconds": record["seconds"], "coefficients": record["coefficients"],
             "entropy": [record["entropy_start"], record["entropy_end"]]}  # fmt: skip
-
-
-def load_scoring(built: Mapping[str, Any], model_dir: str | Path | None = None) -> tuple[Any, StateDict, Any, Any]:
-    """(base model, a copy of its state dict, encoded tasks, probe heads) for scoring, from ``build_setting``."""
-    from specmerge_bench.accuracy import model
-    from specmerge_bench.accuracy.cache_files import load_encoded, load_heads
-
-    base_model, _ = model.load_base(model_dir)
-    base = {k: v.detach().clone() for k, v in base_model.state_dict().items()}
-    tasks_encoded = {k: v for path in built["paths"]["tokens"] for k, v in load_encoded(path).items()}
-    return base_model, base, tasks_encoded, {k: v for p in built["paths"]["heads"] for k, v in load_heads(p).items()}
-
-
-def load_experts(built: Mapping[str, Any], seed: int, base: StateDict) -> dict[str, StateDict]:
-    """Task -> the seed's expert state dict, with the base's tensor names."""
-    from safetensors.torch import load_file
-
-    states = {
-        task: load_file(Path(folder) / "model.safetensors") for task, folder in built["paths"]["experts"][seed].items()
-    }
-    return {task: {name: state[name] for name in base} for task, state in states.items()}
 
 
 def run_benchmark(

@@ -9,6 +9,7 @@ import os
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import safetensors
 import safetensors.torch
@@ -16,6 +17,8 @@ from torch import Tensor
 
 from specmerge_bench.accuracy.data import sha256_file
 from specmerge_bench.accuracy.model import MODEL_FILES, EncodedSplit, Head
+
+StateDict = dict[str, Tensor]
 
 
 def digest(inputs: object) -> str:
@@ -99,3 +102,20 @@ def load_heads(path: str | Path) -> dict[str, Head]:
     with safetensors.safe_open(str(path), framework="pt") as f:
         l2 = json.loads(f.metadata()["l2"])
         return {task: Head(f.get_tensor(f"{task}/weight"), f.get_tensor(f"{task}/bias"), l2[task]) for task in l2}
+
+
+def load_scoring(built: Mapping[str, Any], model_dir: str | Path | None = None) -> tuple[Any, StateDict, Any, Any]:
+    """(base model, a copy of its state dict, encoded tasks, probe heads) for scoring, from ``build_setting``."""
+    from specmerge_bench.accuracy import model
+
+    base_model, _ = model.load_base(model_dir)
+    base = {k: v.detach().clone() for k, v in base_model.state_dict().items()}
+    tasks_encoded = {k: v for path in built["paths"]["tokens"] for k, v in load_encoded(path).items()}
+    return base_model, base, tasks_encoded, {k: v for p in built["paths"]["heads"] for k, v in load_heads(p).items()}
+
+
+def load_experts(built: Mapping[str, Any], seed: int, base: StateDict) -> dict[str, StateDict]:
+    """Task -> the seed's expert state dict, with the base's tensor names."""
+    folders = built["paths"]["experts"][seed]
+    states = {task: safetensors.torch.load_file(Path(folder) / "model.safetensors") for task, folder in folders.items()}
+    return {task: {name: state[name] for name in base} for task, state in states.items()}
