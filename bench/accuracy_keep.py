@@ -3,10 +3,10 @@
     python bench/accuracy_keep.py --cache /work/benchdata/accuracy            # into bench/results/accuracy
     python bench/accuracy_keep.py --cache CACHE --out DIR
 
-Copies every JSON and Markdown record of the cache (task manifests with their SHA-256, stage summaries, each
-expert's own scores, the score caches, the results folders), same layout, nothing larger than 4 MiB and no
-model, delta or token file (``specmerge_bench.accuracy.keep``). Run it while a long benchmark runs and commit the
-folder stage by stage. Then, on a fresh machine:
+Copies every JSON record of the cache (task manifests with their SHA-256, stage summaries, each expert's own
+scores, the score caches, the results folders) and the results' tables, same layout, nothing larger than 4 MiB
+and no model, delta or token file (``specmerge_bench.accuracy.keep``). Run it while a long benchmark runs and commit
+the folder stage by stage. Then, on a fresh machine:
 
     specmerge-bench accuracy --cache CACHE ... --scores-from bench/results/accuracy   # scores by weights reused
     python bench/accuracy_settings.py --setting "8 tasks, LoRA=bench/results/accuracy/scores/<key>/seed0-....json"

@@ -54,6 +54,8 @@ def test_keep_copies_the_small_records_only_and_never_through_links(tmp_path, mo
     (cache / "scores" / KEY / "seed0-by.json").write_text("{}")
     (cache / "results" / "r").mkdir(parents=True)
     (cache / "results" / "r" / "results.md").write_text("| table |")
+    (cache / "lora-experts").mkdir()
+    (cache / "lora-experts" / "README.md").write_text("a model card")
     (cache / "merges").mkdir()
     (cache / "merges" / "m.safetensors").write_bytes(b"\0" * 16)
     (cache / "big.json").write_text("[" + "0," * 100 + "0]")

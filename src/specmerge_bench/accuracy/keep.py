@@ -1,10 +1,10 @@
 """What outlives the machine: the accuracy benchmark's small records, kept in a folder, and read back.
 
 A seed of one setting takes about three hours of these 2 cores, and a later session may start on a fresh
-machine with an empty cache. What can be kept is small and machine-independent: every JSON and Markdown record
-of the cache (task manifests with their SHA-256, stage summaries, each expert's own scores, the score caches,
-the results folders). The models, deltas and token files are not kept; they are rebuilt from the Debian
-packages and the pinned base model.
+machine with an empty cache. What can be kept is small and machine-independent: every JSON record of the cache
+(task manifests with their SHA-256, stage summaries, each expert's own scores, the score caches, the results
+folders) and the results' Markdown tables. The models, deltas and token files are not kept; they are rebuilt
+from the Debian packages and the pinned base model.
 
 - :func:`keep` copies those records into a folder (``bench/results/accuracy/`` in this repository), keeping the
   cache's layout; ``bench/accuracy_keep.py`` is the command.
@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-KEPT_SUFFIXES = (".json", ".md")
 KEPT_MAX_BYTES = 4 << 20  # larger records are not kept (none of the benchmark's is near it)
 SCORE_FILE = re.compile(r"seed(?P<seed>\d+)-(?P<code>[0-9a-f]{12})-(?P<tag>[A-Za-z0-9_.-]+)\.json")
 
@@ -36,7 +35,8 @@ class KeepError(ValueError):
 
 
 def keep(cache_dir: Path, out_dir: Path) -> tuple[list[Path], list[Path]]:
-    """Copy every JSON / Markdown record of ``cache_dir`` up to ``KEPT_MAX_BYTES`` into ``out_dir``, same layout.
+    """Copy every JSON record of ``cache_dir`` and the results' Markdown tables, each up to ``KEPT_MAX_BYTES``,
+    into ``out_dir``, same layout.
 
     Symbolic links are not followed (nothing outside the cache is read); each file is replaced atomically, so an
     interrupted copy leaves the previous one. Returns (kept, left out as too large).
@@ -51,7 +51,8 @@ def keep(cache_dir: Path, out_dir: Path) -> tuple[list[Path], list[Path]]:
         dirs.sort()
         for name in sorted(files):
             path = Path(root) / name
-            if path.suffix not in KEPT_SUFFIXES or path.is_symlink() or not path.is_file():
+            table = path.suffix == ".md" and path.relative_to(cache_dir).parts[0] == "results"  # not PEFT's cards
+            if not (path.suffix == ".json" or table) or path.is_symlink() or not path.is_file():
                 continue
             if path.stat().st_size > KEPT_MAX_BYTES:
                 large.append(path)
