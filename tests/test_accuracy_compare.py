@@ -37,13 +37,14 @@ def test_paired_differences_table_and_plots(tmp_path):
     assert diff["mean"] == pytest.approx(0.04, abs=1e-12) and diff["std"] == pytest.approx(0.0, abs=1e-12)
     assert compare.paired(lora, "swudi", "optmerge") is None
     # wudi_5000 (row 8) averages 0.63 + offset: 0.64 over the two seeds, above wudi_100 (row 7)
-    assert compare.sweep_peak(full) == (5000, pytest.approx(0.64), pytest.approx(0.64))
+    assert compare.sweep_peak(full) == (5000, pytest.approx(0.64), 5000, pytest.approx(0.64))
     text = compare.markdown({"full": full, "LoRA": lora})
     assert "| method | full (2 seeds) | LoRA (1 seed) |" in text
     assert "| OPTMERGE | 60.0 ± 1.4 | – |" in text  # row 4 averages 0.59 + offset; offsets 0 and 0.02: std 0.014
     assert "| SWUDI_A_PSQRT − CLOSED_FORM | +4.00 ± 0.00 (1.4/1.4) | +4.00 ± 0.00 (0.0/0.0) |" in text
     assert "| SWUDI − OPTMERGE | +1.00 ± 0.00 (1.4/1.4) | – |" in text
     assert "| best step count (its avg acc) | 5000 (64.0) | 5000 (63.0) |" in text
+    assert "| longest run scored (its avg acc) | 5000 (64.0) | 5000 (63.0) |" in text
     names = [p.name for p in compare.plots({"full": full, "LoRA": lora}, tmp_path / "img")]
     assert names == ["accuracy-settings.png", "wudi-steps-settings.png"]
     assert all((tmp_path / "img" / name).stat().st_size > 0 for name in names)

@@ -107,14 +107,15 @@ def paired(results: Mapping[str, Any], row: str, against: str) -> dict[str, floa
     return seed_stats([average(seed, row) - average(seed, against) for seed in seeds])
 
 
-def sweep_peak(results: Mapping[str, Any]) -> tuple[int, float, float] | None:
-    """The WUDI step count with the best mean average accuracy, that accuracy, and the last step count's."""
+def sweep_peak(results: Mapping[str, Any]) -> tuple[int, float, int, float] | None:
+    """The WUDI step count with the best mean average accuracy and that accuracy; the longest step count scored (a
+    stopped run may lack the last ones) and its accuracy."""
     rows = results["summary"]["rows"]
     present = [(steps, rows[f"wudi_{steps}"]["average"]["mean"]) for steps in WUDI_STEPS if f"wudi_{steps}" in rows]
     if not present:
         return None
     best = max(present, key=lambda item: item[1])
-    return best[0], best[1], present[-1][1]
+    return (*best, *present[-1])
 
 
 def markdown(settings: Mapping[str, Mapping[str, Any]]) -> str:
@@ -150,7 +151,8 @@ def markdown(settings: Mapping[str, Mapping[str, Any]]) -> str:
     peaks = [sweep_peak(results) for results in settings.values()]
     lines.append("| best step count (its avg acc) | " + " | ".join(
         f"{p[0]} ({100 * p[1]:.1f})" if p else "–" for p in peaks) + " |")  # fmt: skip
-    lines.append(f"| {WUDI_STEPS[-1]} steps | " + " | ".join(f"{100 * p[2]:.1f}" if p else "–" for p in peaks) + " |")
+    lines.append("| longest run scored (its avg acc) | " + " | ".join(
+        f"{p[2]} ({100 * p[3]:.1f})" if p else "–" for p in peaks) + " |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
