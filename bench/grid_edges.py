@@ -40,6 +40,11 @@ def main() -> None:
     args = parser.parse_args()
     if not args.cache.is_dir():
         parser.error(f"--cache {args.cache} is not a folder")
+    folder = "lora-experts" if args.track == "lora" else "experts"
+    for seed in args.seeds:
+        if not any((args.cache / folder).glob(f"*/seed{seed}/*/scores.json")):
+            build = f"specmerge-bench accuracy --cache {args.cache} --track {args.track} --seeds {seed}"
+            parser.error(f"--cache {args.cache} holds no {args.track} experts of seed {seed}; run `{build}`")
     precision.choose(args.precision)
     try:
         built = build_setting(args.cache.resolve(), args.seeds, 8, track=args.track, train_missing=False)
