@@ -90,7 +90,7 @@ def test_only_scores_by_weights_are_imported_and_the_cache_s_own_win(tmp_path):
     assert json.loads(mine.read_text()) == {"d1|val": {"a": 0.9}, "d2|val": {"a": 0.2}}
     assert not (cache / "scores" / KEY / f"seed0-{CODE}-float32-AVX2.json").exists()  # never by setting
     assert keep.import_scores(kept, cache) == 0
-    with pytest.raises(keep.KeepError, match="no scores/ folder"):
+    with pytest.raises(ValueError, match="no scores/ folder"):
         keep.import_scores(tmp_path / "nothing", cache)
 
 

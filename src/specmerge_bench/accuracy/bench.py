@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 from specmerge.tuning.search import Strategy, search
 from specmerge.tuning.space import Setting
 from specmerge_bench.accuracy.cache_files import load_experts, load_scoring
-from specmerge_bench.accuracy.compare import CLAIMS
 from specmerge_bench.accuracy.merge_store import Merger, MergeStore, stored_merge
 from specmerge_bench.accuracy.merging import Candidate, MergedDeltas, StateDict, merge_candidates
 from specmerge_bench.accuracy.precision import PRECISIONS
@@ -37,6 +36,7 @@ from specmerge_bench.accuracy.report import exact_mean, markdown, plots, summari
 from specmerge_bench.accuracy.rows import (
     ADAMERGING,
     ADAMERGING_ROWS,
+    CLAIMS,
     AdaMergingRow,
     AdaMergingSettings,
     Row,
@@ -363,11 +363,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
     if args.scores_from is not None:
-        from specmerge_bench.accuracy.keep import KeepError, import_scores
+        from specmerge_bench.accuracy.scores import import_scores
 
         try:
             added = import_scores(args.scores_from, args.cache)
-        except KeepError as err:
+        except ValueError as err:
             parser.error(f"--scores-from: {err}")
         print(f"--scores-from {args.scores_from}: {added} scores by weights added to {args.cache}")
     summary, folder = run_benchmark(

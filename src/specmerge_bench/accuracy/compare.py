@@ -16,22 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from specmerge_bench.accuracy.report import exact_mean, seed_stats, summarize
-from specmerge_bench.accuracy.rows import WUDI_STEPS
+from specmerge_bench.accuracy.rows import CLAIMS, WUDI_STEPS
 
-# (row, against): the paper's orderings, the closed-form filters first (sections 5-6: D C+ -> SWUDI-A, the
-# iterative methods, TSV-M and Iso-C)
-CLAIMS = (
-    ("swudi_a_psqrt", "closed_form"),
-    ("swudi", "closed_form"),
-    ("swudi_a_psqrt", "wudi"),
-    ("swudi", "wudi"),
-    ("swudi_a_psqrt", "optmerge"),
-    ("swudi", "optmerge"),
-    ("swudi_a_psqrt", "tsv_m"),
-    ("swudi", "tsv_m"),
-    ("swudi_a_psqrt", "iso_c"),
-    ("swudi_a_psqrt", "swudi"),
-)
 SWEEP = tuple(f"wudi_{steps}" for steps in WUDI_STEPS)
 
 

@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from specmerge_bench.accuracy.scores import import_scores  # noqa: F401  (part of this module's interface)
+
 KEPT_MAX_BYTES = 4 << 20  # larger records are not kept (none of the benchmark's is near it)
 SCORE_FILE = re.compile(r"seed(?P<seed>\d+)-(?P<code>[0-9a-f]{12})-(?P<tag>[A-Za-z0-9_.-]+)\.json")
 
@@ -74,24 +76,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise KeepError(f"{path} is not a JSON object")
     return value
-
-
-def import_scores(kept_dir: Path, cache_dir: Path) -> int:
-    """Add the scores by weights kept in ``kept_dir`` to ``cache_dir``'s (entries already there win); returns how
-    many entries were added."""
-    from specmerge_bench.accuracy.scores import JsonStore
-
-    kept_dir = Path(kept_dir)
-    if not (kept_dir / "scores").is_dir():
-        raise KeepError(f"{kept_dir} holds no scores/ folder (give a folder written by bench/accuracy_keep.py)")
-    added = 0
-    for source in sorted((kept_dir / "scores").glob("*/seed*-by-weights.json")):
-        store = JsonStore(Path(cache_dir) / source.relative_to(kept_dir))
-        new = {k: v for k, v in _read_json(source).items() if k not in store.scores}
-        if new:
-            store.update(new)
-            added += len(new)
-    return added
 
 
 def _expert_scores(root: Path, experts_key: str, seed: int, lora: bool) -> dict[str, dict[str, float]]:

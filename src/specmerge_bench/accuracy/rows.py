@@ -16,6 +16,20 @@ from typing import Any
 from specmerge.methods import candidate_settings
 from specmerge_bench.accuracy.merging import Candidate
 
+# (row, against): the paper's orderings, the closed-form filters first (sections 5-6: D C+ -> SWUDI-A, the
+# iterative methods, TSV-M and Iso-C)
+CLAIMS = (
+    ("swudi_a_psqrt", "closed_form"),
+    ("swudi", "closed_form"),
+    ("swudi_a_psqrt", "wudi"),
+    ("swudi", "wudi"),
+    ("swudi_a_psqrt", "optmerge"),
+    ("swudi", "optmerge"),
+    ("swudi_a_psqrt", "tsv_m"),
+    ("swudi", "tsv_m"),
+    ("swudi_a_psqrt", "iso_c"),
+    ("swudi_a_psqrt", "swudi"),
+)
 WUDI_STEPS = (100, 200, 300, 500, 700, 1000, 1500, 2000, 3000, 5000)  # one WUDI run per seed, with snapshots
 
 

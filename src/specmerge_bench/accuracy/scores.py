@@ -126,3 +126,23 @@ class ScoreCache(JsonStore):
         self.scores[f"{key}|weights"] = {"digest": digest}
         self.put(key, value)
         return value
+
+
+def import_scores(kept_dir: Path, cache_dir: Path) -> int:
+    """Add the scores by weights kept in ``kept_dir`` (``bench/accuracy_keep.py``) to ``cache_dir``'s; entries
+    already there win. Returns how many were added; a ValueError (one line, naming the file) for a bad folder."""
+    kept_dir = Path(kept_dir)
+    if not (kept_dir / "scores").is_dir():
+        raise ValueError(f"{kept_dir} holds no scores/ folder (give a folder written by bench/accuracy_keep.py)")
+    added = 0
+    for source in sorted((kept_dir / "scores").glob("*/seed*-by-weights.json")):
+        try:
+            kept = json.loads(source.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise ValueError(f"{source} cannot be read as JSON ({exc})") from None
+        store = JsonStore(Path(cache_dir) / source.relative_to(kept_dir))
+        new = {k: v for k, v in kept.items() if k not in store.scores} if isinstance(kept, dict) else {}
+        if new:
+            store.update(new)
+            added += len(new)
+    return added
