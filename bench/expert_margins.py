@@ -20,9 +20,8 @@ import torch
 from specmerge_bench.accuracy import model as accuracy_model
 from specmerge_bench.accuracy import precision
 from specmerge_bench.accuracy.cache_files import load_experts, load_scoring
-from specmerge_bench.accuracy.data import AccuracyDataError
-from specmerge_bench.accuracy.settings import SETTINGS, build_setting
-from specmerge_bench.inputs import Parser, fail
+from specmerge_bench.accuracy.settings import SETTINGS, cached_setting
+from specmerge_bench.inputs import Parser
 
 
 def correct(model, encoded, head) -> torch.Tensor:
@@ -42,18 +41,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=precision.PRECISIONS, default="auto",
                         help="as the benchmark's: bfloat16 autocast or float32 (auto: bf16 if native)")  # fmt: skip
     args = parser.parse_args()
-    if not args.cache.is_dir():
-        parser.error(f"--cache {args.cache} is not a folder")
-    folder = "lora-experts" if args.track == "lora" else "experts"
-    for seed in args.seeds:
-        if not any((args.cache / folder).glob(f"*/seed{seed}/*/scores.json")):
-            build = f"specmerge-bench accuracy --cache {args.cache} --track {args.track} --seeds {seed}"
-            parser.error(f"--cache {args.cache} holds no {args.track} experts of seed {seed}; run `{build}`")
-    precision.choose(args.precision)
-    try:
-        built = build_setting(args.cache.resolve(), args.seeds, args.tasks, track=args.track, train_missing=False)
-    except (AccuracyDataError, OSError) as err:
-        fail(parser.prog, str(err))
+    built = cached_setting(parser, args, args.tasks)
     base_model, base, tasks_encoded, heads = load_scoring(built)
     scratch = copy.deepcopy(base_model)  # each expert's weights are loaded into it in turn
     base_right = {task: correct(base_model, tasks_encoded[task]["val"], heads[task]) for task in built["tasks"]}

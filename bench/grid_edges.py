@@ -18,10 +18,9 @@ from pathlib import Path
 from specmerge_bench.accuracy import model as accuracy_model
 from specmerge_bench.accuracy import precision
 from specmerge_bench.accuracy.cache_files import load_experts, load_scoring
-from specmerge_bench.accuracy.data import AccuracyDataError
 from specmerge_bench.accuracy.merging import Candidate, merge_candidates
-from specmerge_bench.accuracy.settings import build_setting
-from specmerge_bench.inputs import Parser, fail
+from specmerge_bench.accuracy.settings import cached_setting
+from specmerge_bench.inputs import Parser
 
 PROBES = [(Candidate("closed_form", "closed_form"), (0.02, 0.05, 0.1))] + [
     (Candidate(f"swudi r={r} t={t:g}", "swudi", {"rank_ratio": r, "t": t}), (0.1, 0.2, 0.3))
@@ -38,18 +37,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=precision.PRECISIONS, default="auto",
                         help="as the benchmark's: bfloat16 autocast or float32 (auto: bf16 if native)")  # fmt: skip
     args = parser.parse_args()
-    if not args.cache.is_dir():
-        parser.error(f"--cache {args.cache} is not a folder")
-    folder = "lora-experts" if args.track == "lora" else "experts"
-    for seed in args.seeds:
-        if not any((args.cache / folder).glob(f"*/seed{seed}/*/scores.json")):
-            build = f"specmerge-bench accuracy --cache {args.cache} --track {args.track} --seeds {seed}"
-            parser.error(f"--cache {args.cache} holds no {args.track} experts of seed {seed}; run `{build}`")
-    precision.choose(args.precision)
-    try:
-        built = build_setting(args.cache.resolve(), args.seeds, 8, track=args.track, train_missing=False)
-    except (AccuracyDataError, OSError) as err:
-        fail(parser.prog, str(err))
+    built = cached_setting(parser, args, 8)
     base_model, base, tasks_encoded, heads = load_scoring(built)
     table: dict[tuple[str, float], list[float]] = {}
     for seed in args.seeds:
