@@ -20,8 +20,8 @@ import torch
 from specmerge_bench.accuracy import model as accuracy_model
 from specmerge_bench.accuracy import precision
 from specmerge_bench.accuracy.cache_files import load_experts, load_scoring
-from specmerge_bench.accuracy.settings import SETTINGS, cached_setting
-from specmerge_bench.inputs import Parser
+from specmerge_bench.accuracy.settings import SETTINGS
+from specmerge_bench.inputs import Parser, cached_setting
 
 
 def correct(model, encoded, head) -> torch.Tensor:

@@ -19,8 +19,7 @@ from specmerge_bench.accuracy import model as accuracy_model
 from specmerge_bench.accuracy import precision
 from specmerge_bench.accuracy.cache_files import load_experts, load_scoring
 from specmerge_bench.accuracy.merging import Candidate, merge_candidates
-from specmerge_bench.accuracy.settings import cached_setting
-from specmerge_bench.inputs import Parser
+from specmerge_bench.inputs import Parser, cached_setting
 
 PROBES = [(Candidate("closed_form", "closed_form"), (0.02, 0.05, 0.1))] + [
     (Candidate(f"swudi r={r} t={t:g}", "swudi", {"rank_ratio": r, "t": t}), (0.1, 0.2, 0.3))

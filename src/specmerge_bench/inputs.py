@@ -3,7 +3,8 @@
 Every benchmark entry point (``specmerge-bench`` and the scripts in ``bench/``) parses its arguments with
 :class:`Parser` and checks the folders it is given with :func:`model_folder` / :func:`model_family`, so
 that a missing or wrong input is one line on stderr naming the path and the layout expected (exit status
-2), never a traceback.
+2), never a traceback. :func:`cached_setting` does the same for the accuracy benchmark's cache in the tools that
+only read its experts.
 """
 
 from __future__ import annotations
@@ -65,3 +66,25 @@ def model_family(
         expected = ", ".join(f"{name}/" for name in ["base", *experts])
         parser.error(f"--models {models} lacks {', '.join(f'{name}/' for name in missing)} (expected {expected}){hint}")
     return base, [models / name for name in experts]
+
+
+def cached_setting(parser: argparse.ArgumentParser, args: argparse.Namespace, n_tasks: int = 8) -> dict:
+    """For a tool that only reads experts: ``build_setting`` of ``args.cache``, ``args.seeds``, ``args.track`` in
+    ``args.precision``, refusing (one line, through ``parser``) a cache without the track's experts of a seed
+    rather than training them."""
+    from specmerge_bench.accuracy import precision
+    from specmerge_bench.accuracy.data import AccuracyDataError
+    from specmerge_bench.accuracy.settings import build_setting
+
+    if not args.cache.is_dir():
+        parser.error(f"--cache {args.cache} is not a folder")
+    folder = "lora-experts" if args.track == "lora" else "experts"
+    for seed in args.seeds:
+        if not any((args.cache / folder).glob(f"*/seed{seed}/*/scores.json")):
+            build = f"specmerge-bench accuracy --cache {args.cache} --track {args.track} --seeds {seed}"
+            parser.error(f"--cache {args.cache} holds no {args.track} experts of seed {seed}; run `{build}`")
+    precision.choose(args.precision)
+    try:
+        return build_setting(args.cache.resolve(), args.seeds, n_tasks, track=args.track, train_missing=False)
+    except (AccuracyDataError, OSError) as err:
+        fail(parser.prog, str(err))

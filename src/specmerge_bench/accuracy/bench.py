@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 from specmerge.tuning.search import Strategy, search
 from specmerge.tuning.space import Setting
-from specmerge_bench.accuracy.cache_files import load_experts, load_scoring
 from specmerge_bench.accuracy.merge_store import Merger, MergeStore, stored_merge
 from specmerge_bench.accuracy.merging import Candidate, MergedDeltas, StateDict, merge_candidates
 from specmerge_bench.accuracy.precision import PRECISIONS
@@ -76,8 +75,7 @@ def evaluate_seed(
     longest merge), so a run stopped in the sweep keeps every main row. Only the candidates with a score (or,
     where ``cache`` records weights, its weights' digest) missing from ``cache`` are merged, so a rerun over
     cached scores does no merging at all; a merged candidate whose weights ``cache`` has scored under another code
-    key is not scored again. Merge times are cached with the scores (key
-    ``<candidate>|merge``).
+    key is not scored again. Merge times are cached with the scores (key ``<candidate>|merge``).
     """
     tasks = list(experts)
     if merge is None:
@@ -94,7 +92,7 @@ def evaluate_seed(
         own = expert_scores[task] if expert_scores is not None else both_splits(f"expert-{task}", state)
         result["experts"][task] = {"val": own["val"][task], "test": own["test"][task]}
     # the main table first, then the WUDI step sweep (its long run merged only once the main rows are scored);
-    # within each, the rows the paper's claims compare first (CLAIMS), the table keeps the registry's order
+    # within each, the rows the paper's claims compare first (CLAIMED), the table keeps the registry's order
     chosen: dict[str, dict[str, Any]] = {}
     for rows in (method_rows(), step_rows()):
         needed = {c.key: c for c in missing_candidates(rows, cache, adamerging)}
@@ -105,22 +103,26 @@ def evaluate_seed(
         for key in merged:
             routes = {"routes": deltas.routes[key]} if key in deltas.routes else {}
             cache.put(f"{key}|merge", {"seconds": deltas.seconds[key], **routes})
-        claimed = {label for pair in CLAIMS for label in pair}
-        for row in sorted(rows, key=lambda r: r.label not in claimed):  # stable: registry order otherwise
+        for row in sorted(rows, key=lambda r: r.label not in CLAIMED):  # stable: registry order otherwise
             chosen[row.label] = choose(row, base, deltas, score, cache)
-            for ada in ADAMERGING_ROWS if adamerging is not None else ():
-                if ada.anchor == row.label:
-                    chosen[ada.label] = adamerge_row(ada, row, base, deltas, score, cache, adamerging, progress)
+            for ada in anchored(row, adamerging):
+                chosen[ada.label] = adamerge_row(ada, row, base, deltas, score, cache, adamerging, progress)
         del deltas
     for row in method_rows() + step_rows():
-        result["rows"][row.label] = chosen[row.label]
-        for ada in ADAMERGING_ROWS if adamerging is not None else ():
-            if ada.anchor == row.label:
-                result["rows"][ada.label] = chosen[ada.label]
+        for label in (row.label, *(ada.label for ada in anchored(row, adamerging))):
+            result["rows"][label] = chosen[label]
     merges = {k[: -len("|merge")]: v for k, v in cache.scores.items() if k.endswith("|merge")}
     result["merge_seconds"] = {k: v["seconds"] for k, v in merges.items()}
     result["routes"] = {k: v["routes"] for k, v in merges.items() if "routes" in v}
     return result
+
+
+CLAIMED = {label for pair in CLAIMS for label in pair}  # the rows the paper's claims compare: scored first
+
+
+def anchored(row: Row, adamerging: AdaMergingStage | None) -> list[AdaMergingRow]:
+    """The AdaMerging rows that start from ``row``'s choice (none without an AdaMerging stage)."""
+    return [ada for ada in ADAMERGING_ROWS if adamerging is not None and ada.anchor == row.label]
 
 
 def full_merge(
@@ -143,7 +145,7 @@ def missing_candidates(
             if not cache.has(f"{best.key}|{scale}|test"):
                 lacking = [best]
         known = tuple(c for c in row.candidates if c not in lacking)
-        if adamerging is not None and known and any(ada.anchor == row.label for ada in ADAMERGING_ROWS):
+        if known and anchored(row, adamerging):
             # the choice is the best of the known val scores, or one of the lacking candidates (merged anyway)
             _, best, scale = best_on_val(Row(row.label, row.title, known), cache)
             if best not in lacking and (lacking or not cache.has(adamerging_key(best, scale, adamerging))):
@@ -273,6 +275,7 @@ def _run_benchmark(
     from specmerge_bench.accuracy import model as accuracy_model
     from specmerge_bench.accuracy import precision as accuracy_precision
     from specmerge_bench.accuracy.adamerging import AdaMergingStage
+    from specmerge_bench.accuracy.cache_files import load_experts, load_scoring  # transformers: the [bench] extra
     from specmerge_bench.accuracy.settings import build_setting
 
     cache_dir = Path(cache_dir).resolve()

@@ -46,16 +46,19 @@ def load_results(folder: Path) -> dict[str, Any]:
 def load_setting(paths: Sequence[Path]) -> dict[str, Any]:
     """One setting's results from several runs: results folders and score files (a stopped run's finished rows,
     :func:`specmerge_bench.accuracy.keep.seed_from_scores`), their seeds pooled on the rows every seed has."""
-    from specmerge_bench.accuracy.keep import KeepError, pool_seeds, seed_from_scores
+    from specmerge_bench.accuracy.keep import pool_seeds, seed_from_scores
 
     per_seed: list[dict[str, Any]] = []
     for path in paths:
         if not Path(path).exists():
             raise ResultsError(f"{path} does not exist (give a results folder or a score file of specmerge-bench "
                                "accuracy)")  # fmt: skip
+        if Path(path).is_dir():
+            per_seed += load_results(path)["per_seed"]
+            continue
         try:
-            per_seed += load_results(path)["per_seed"] if Path(path).is_dir() else [seed_from_scores(path)]
-        except KeepError as err:
+            per_seed.append(seed_from_scores(path))
+        except ValueError as err:  # KeepError, or a record that is not a JSON object
             raise ResultsError(str(err)) from None
     seeds = [s.get("seed") for s in per_seed if s.get("seed") is not None]
     if len(set(seeds)) < len(seeds):

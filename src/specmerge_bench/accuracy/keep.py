@@ -18,7 +18,6 @@ from the Debian packages and the pinned base model.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import tempfile
@@ -26,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from specmerge_bench.accuracy.scores import import_scores  # noqa: F401  (part of this module's interface)
+from specmerge_bench.accuracy.scores import import_scores, read_json_object  # noqa: F401  (import_scores: part of this module's interface)
 
 KEPT_MAX_BYTES = 4 << 20  # larger records are not kept (none of the benchmark's is near it)
 SCORE_FILE = re.compile(r"seed(?P<seed>\d+)-(?P<code>[0-9a-f]{12})-(?P<tag>[A-Za-z0-9_.-]+)\.json")
@@ -68,23 +67,13 @@ def keep(cache_dir: Path, out_dir: Path) -> tuple[list[Path], list[Path]]:
     return kept, large
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise KeepError(f"{path} cannot be read as JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise KeepError(f"{path} is not a JSON object")
-    return value
-
-
 def _expert_scores(root: Path, experts_key: str, seed: int, lora: bool) -> dict[str, dict[str, float]]:
     """Task -> its expert's val / test accuracy on its own task, from each expert folder's ``scores.json``."""
     found: dict[str, dict[str, float]] = {}
     folder = "lora-experts" if lora else "experts"
     for key in experts_key.split("+"):
         for path in sorted((root / folder / key / f"seed{seed}").glob("*/scores.json")):
-            task, record = path.parent.name, _read_json(path)
+            task, record = path.parent.name, read_json_object(path)
             found[task] = {split: record[split][task] for split in ("val", "test")}
     return found
 
@@ -93,8 +82,8 @@ def seed_from_scores(score_file: Path) -> dict[str, Any]:
     """One seed's results (as in ``results.json``'s ``per_seed``) from a score file of ``scores/<experts key>/``:
     every row whose val grid and chosen test are all scored, chosen as the benchmark chooses (val only).
 
-    The experts' own scores come from the expert folders beside ``scores/`` (``experts/`` or, for a ``lora-``
-    results name, ``lora-experts/``); the track is read from which of them holds the seed's experts.
+    The experts' own scores come from the expert folders beside ``scores/``: ``lora-experts/`` where it holds the
+    seed's experts (the LoRA track), ``experts/`` otherwise. A file that cannot be read is a ValueError (one line).
     """
     from specmerge_bench.accuracy.bench import best_on_val
     from specmerge_bench.accuracy.rows import method_rows, step_rows
@@ -105,8 +94,7 @@ def seed_from_scores(score_file: Path) -> dict[str, Any]:
     if not match or score_file.parent.parent.name != "scores" or not score_file.is_file():
         raise KeepError(f"{score_file} is not a score file (scores/<experts key>/seed<k>-<code key>-<precision>.json)")
     root, experts_key, seed = score_file.parents[2], score_file.parent.name, int(match["seed"])
-    cache = ScoreCache(score_file)
-    cache.scores = _read_json(score_file)
+    cache = ScoreCache(score_file)  # only read: nothing is written
     lora = bool(list((root / "lora-experts").glob(f"{experts_key.split('+')[0]}/seed{seed}")))
     experts = _expert_scores(root, experts_key, seed, lora)
     if not experts or "base|test" not in cache.scores:

@@ -62,12 +62,24 @@ def weights_digest(state: StateDict) -> str:
     return digest.hexdigest()
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object read from ``path``; a ValueError (one line, naming the file) for text that is not one (an
+    unreadable file stays an OSError, which names it)."""
+    try:
+        value = json.loads(Path(path).read_bytes())
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError included
+        raise ValueError(f"{path} cannot be read as JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return value
+
+
 class JsonStore:
     """A dict on disk in one JSON file, rewritten atomically after each new entry."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.scores: dict[str, dict[str, Any]] = json.loads(path.read_text()) if path.is_file() else {}
+        self.scores: dict[str, dict[str, Any]] = read_json_object(path) if path.is_file() else {}
 
     def put(self, key: str, value: dict[str, Any]) -> None:
         self.update({key: value})
@@ -136,12 +148,8 @@ def import_scores(kept_dir: Path, cache_dir: Path) -> int:
         raise ValueError(f"{kept_dir} holds no scores/ folder (give a folder written by bench/accuracy_keep.py)")
     added = 0
     for source in sorted((kept_dir / "scores").glob("*/seed*-by-weights.json")):
-        try:
-            kept = json.loads(source.read_text())
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            raise ValueError(f"{source} cannot be read as JSON ({exc})") from None
         store = JsonStore(Path(cache_dir) / source.relative_to(kept_dir))
-        new = {k: v for k, v in kept.items() if k not in store.scores} if isinstance(kept, dict) else {}
+        new = {k: v for k, v in read_json_object(source).items() if k not in store.scores}
         if new:
             store.update(new)
             added += len(new)

@@ -59,25 +59,3 @@ def build_setting(
 def _experts_key(built: Mapping[str, Any], seed: int) -> str:
     """The experts stage's key of one ``build_experts`` summary (the folder above its seed folders)."""
     return Path(next(iter(built["paths"]["experts"][seed].values()))).parents[1].name
-
-
-def cached_setting(parser: Any, args: Any, n_tasks: int = 8) -> dict:
-    """For a tool that only reads experts: ``build_setting`` of ``args.cache``, ``args.seeds``, ``args.track`` in
-    ``args.precision``, refusing (one line, through ``parser``) a cache without the track's experts of a seed
-    rather than training them."""
-    from specmerge_bench.accuracy import precision
-    from specmerge_bench.accuracy.data import AccuracyDataError
-    from specmerge_bench.inputs import fail
-
-    if not args.cache.is_dir():
-        parser.error(f"--cache {args.cache} is not a folder")
-    folder = "lora-experts" if args.track == "lora" else "experts"
-    for seed in args.seeds:
-        if not any((args.cache / folder).glob(f"*/seed{seed}/*/scores.json")):
-            build = f"specmerge-bench accuracy --cache {args.cache} --track {args.track} --seeds {seed}"
-            parser.error(f"--cache {args.cache} holds no {args.track} experts of seed {seed}; run `{build}`")
-    precision.choose(args.precision)
-    try:
-        return build_setting(args.cache.resolve(), args.seeds, n_tasks, track=args.track, train_missing=False)
-    except (AccuracyDataError, OSError) as err:
-        fail(parser.prog, str(err))
