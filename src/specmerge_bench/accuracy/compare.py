@@ -110,7 +110,12 @@ def sweep_peak(results: Mapping[str, Any]) -> tuple[int, float, int, float] | No
 def markdown(settings: Mapping[str, Mapping[str, Any]]) -> str:
     """The table of every row in every setting (average test accuracy, mean ± std over seeds, in %) and the claims."""
     names = list(settings)
-    pct = lambda s: f"{100 * s['mean']:.1f} ± {100 * s['std']:.1f}"  # noqa: E731
+
+    def spread(results: Mapping[str, Any], figure: Mapping[str, float], digits: int = 1, sign: str = "") -> str:
+        """``mean ± std`` in points; the mean alone for one seed (a std over one seed says nothing)."""
+        mean = f"{100 * figure['mean']:{sign}.{digits}f}"
+        return mean if results["summary"]["seeds"] < 2 else f"{mean} ± {100 * figure['std']:.{digits}f}"
+
     lines = ["| method | " + " | ".join(f"{name} ({_seeds(settings[name])})" for name in names)
              + " |", "|---" + "|---:" * len(names) + "|"]  # fmt: skip
     titles: dict[str, str] = {"base": "Base model (probe heads)", "experts": "Individual experts"}
@@ -121,7 +126,7 @@ def markdown(settings: Mapping[str, Mapping[str, Any]]) -> str:
         for results in settings.values():
             summary = results["summary"]
             figure = summary.get(label) or summary["rows"].get(label)
-            cells.append(pct(figure["average"]) if figure else "–")
+            cells.append(spread(results, figure["average"]) if figure else "–")
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     lines += ["", "Paired differences (points; mean ± std over seeds of the per-seed difference; in brackets the two "
               "rows' own seed stds):", "", "| difference | " + " | ".join(names) + " |",
@@ -133,8 +138,11 @@ def markdown(settings: Mapping[str, Mapping[str, Any]]) -> str:
             if diff is None:
                 cells.append("–")
                 continue
-            spread = "/".join(f"{100 * rows[k]['average']['std']:.1f}" for k in (row, against))
-            cells.append(f"{100 * diff['mean']:+.2f} ± {100 * diff['std']:.2f} ({spread})")
+            if results["summary"]["seeds"] < 2:
+                cells.append(spread(results, diff, 2, "+"))
+                continue
+            own = "/".join(f"{100 * rows[k]['average']['std']:.1f}" for k in (row, against))
+            cells.append(f"{spread(results, diff, 2, '+')} ({own})")
         lines.append(f"| {_title(settings, row)} − {_title(settings, against)} | " + " | ".join(cells) + " |")
     lines += ["", "| WUDI step sweep | " + " | ".join(names) + " |", "|---" + "|---:" * len(names) + "|"]
     peaks = [sweep_peak(results) for results in settings.values()]
