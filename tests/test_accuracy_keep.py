@@ -7,7 +7,7 @@ import pytest
 
 from specmerge_bench.accuracy import bench, compare, keep, rows
 from specmerge_bench.accuracy.rows import Row
-from specmerge_bench.accuracy.scores import ScoreCache
+from specmerge_bench.accuracy.scores import ScoreCache, import_scores
 
 TASKS = ["a", "b"]
 KEY = "0123456789abcdef"
@@ -86,12 +86,12 @@ def test_only_scores_by_weights_are_imported_and_the_cache_s_own_win(tmp_path):
     mine = cache / "scores" / KEY / "seed0-float32-AVX2-by-weights.json"
     mine.parent.mkdir(parents=True)
     mine.write_text(json.dumps({"d1|val": {"a": 0.9}}))
-    assert keep.import_scores(kept, cache) == 1
+    assert import_scores(kept, cache) == 1
     assert json.loads(mine.read_text()) == {"d1|val": {"a": 0.9}, "d2|val": {"a": 0.2}}
     assert not (cache / "scores" / KEY / f"seed0-{CODE}-float32-AVX2.json").exists()  # never by setting
-    assert keep.import_scores(kept, cache) == 0
+    assert import_scores(kept, cache) == 0
     with pytest.raises(ValueError, match="no scores/ folder"):
-        keep.import_scores(tmp_path / "nothing", cache)
+        import_scores(tmp_path / "nothing", cache)
 
 
 def test_a_stopped_run_gives_its_finished_rows_chosen_on_val(tmp_path, small):

@@ -8,10 +8,10 @@ from the Debian packages and the pinned base model.
 
 - :func:`keep` copies those records into a folder (``bench/results/accuracy/`` in this repository), keeping the
   cache's layout; ``bench/accuracy_keep.py`` is the command.
-- :func:`import_scores` puts the kept scores *by weights* back into a cache (``specmerge-bench accuracy
-  --scores-from``). A score found there is used only for weights whose digest (every byte of the state dict) is
-  the one scored, so a rebuilt expert or merge that differs by a bit is scored again; the scores by setting are
-  never imported, since a rebuilt cache's experts key names the recipe, not the bytes.
+- :func:`specmerge_bench.accuracy.scores.import_scores` puts the kept scores *by weights* back into a cache
+  (``specmerge-bench accuracy --scores-from``). A score found there is used only for weights whose digest (every
+  byte of the state dict) is the one scored, so a rebuilt expert or merge that differs by a bit is scored again;
+  the scores by setting are never imported, since a rebuilt cache's experts key names the recipe, not the bytes.
 - :func:`seed_from_scores` reads one seed's rows from a kept (or live) score file, so that a run stopped before
   its end still gives every row it finished (``bench/accuracy_settings.py``).
 """
@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from specmerge_bench.accuracy.scores import import_scores, read_json_object  # noqa: F401  (import_scores: part of this module's interface)
+from specmerge_bench.accuracy.scores import read_json_object
 
 KEPT_MAX_BYTES = 4 << 20  # larger records are not kept (none of the benchmark's is near it)
 SCORE_FILE = re.compile(r"seed(?P<seed>\d+)-(?P<code>[0-9a-f]{12})-(?P<tag>[A-Za-z0-9_.-]+)\.json")
