@@ -138,11 +138,8 @@ def markdown(settings: Mapping[str, Mapping[str, Any]]) -> str:
             if diff is None:
                 cells.append("–")
                 continue
-            if results["summary"]["seeds"] < 2:
-                cells.append(spread(results, diff, 2, "+"))
-                continue
             own = "/".join(f"{100 * rows[k]['average']['std']:.1f}" for k in (row, against))
-            cells.append(f"{spread(results, diff, 2, '+')} ({own})")
+            cells.append(spread(results, diff, 2, "+") + (f" ({own})" if results["summary"]["seeds"] > 1 else ""))
         lines.append(f"| {_title(settings, row)} − {_title(settings, against)} | " + " | ".join(cells) + " |")
     lines += ["", "| WUDI step sweep | " + " | ".join(names) + " |", "|---" + "|---:" * len(names) + "|"]
     peaks = [sweep_peak(results) for results in settings.values()]
