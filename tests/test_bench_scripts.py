@@ -59,6 +59,8 @@ def cases(tmp: Path, family: Path) -> list[tuple[list[str], str]]:
         (["grid_edges.py", "--cache", str(tmp / "none")], "is not a folder"),
         (["grid_edges.py", "--cache", str(tmp / "empty")], "holds no lora experts of seed 0"),
         (["accuracy_keep.py", "--cache", str(tmp / "none"), "--out", str(tmp / "kept")], "is not a folder"),
+        (["merge_distances.py", "--merges", str(tmp / "none")], "is not a folder"),
+        (["merge_distances.py", "--merges", str(tmp / "empty")], "holds 0 task_arithmetic-*.safetensors, expected one"),
         (["lora_speed.py", "--methods", "ties"], "invalid choice: 'ties'"),
         (["ray_executor.py", "--models", str(tmp / "empty"), "--work", str(tmp / "w")], "is not a folder"),
         (["compute_floor.py", "--repeats", "0"], "--repeats must be at least 1"),
@@ -79,6 +81,29 @@ def test_bench_scripts_refuse_bad_inputs_in_one_line(tmp_path, family, capsys):
         assert exit_.value.code == 2, argv
         assert err.startswith(f"{argv[0]}: error: ") and message in err, (argv, err)
         assert len(err.splitlines()) == 1, (argv, err)
+
+
+def test_merge_distances_norms_and_sweep(tmp_path, capsys):
+    """Frobenius norms over the method tensors only (the averaged ones are not the method's), each WUDI snapshot's
+    distances to both ends, snapshots in step order: checked on deltas whose distances are exact in float64."""
+    from safetensors.torch import save_file
+
+    from specmerge_bench.accuracy.merging import Candidate
+
+    def store(key: str, values: tuple[float, float], extra: float = 0.0) -> None:
+        tensors = {"method/a": torch.tensor([values[0]]), "method/b": torch.tensor([[values[1]]]),
+                   "averaged/c": torch.tensor([extra])}  # fmt: skip
+        save_file(tensors, tmp_path / f"{key}.safetensors")
+
+    store("task_arithmetic-0000000000", (3.0, 4.0), extra=100.0)  # norm 5
+    store("closed_form-0000000000", (3.0, -8.0))  # 12 from TA
+    store(Candidate("wudi_steps", "wudi", {"steps": 1000}).key, (3.0, 1.0))  # 3 from TA, 9 to D C+
+    store(Candidate("wudi_steps", "wudi", {"steps": 100}).key, (6.0, 8.0))  # norm 10; 5 from TA, sqrt(265) to D C+
+    run_script("merge_distances.py", "--merges", str(tmp_path))
+    out = capsys.readouterr().out
+    assert "| task_arithmetic-0000000000 | 5.0 |" in out and "| closed_form-0000000000 | 8.5 |" in out, out
+    sweep = out[out.index("| WUDI steps |") :].splitlines()[2:]
+    assert sweep == ["| 100 | 5.0 | 16.3 |", "| 1,000 | 3.0 | 9.0 |", "| D C⁺ | 12.0 | 0 |"], out
 
 
 def test_specmerge_bench_refuses_bad_inputs_in_one_line(tmp_path, capsys):

@@ -1,0 +1,74 @@
+"""Sizes of the accuracy benchmark's stored merges, and where the WUDI sweep's iterate lies between its ends.
+
+    python bench/merge_distances.py --merges CACHE/merges/<experts key>/seed<k>-<code key>-<cpu>
+
+Reads one seed's merge store (a ``<candidate key>.safetensors`` per candidate, written by ``specmerge-bench
+accuracy``) and prints, in Frobenius norms over every merged tensor of the method (before the scale s):
+
+- each stored candidate's merged delta (the WUDI snapshots included: WUDI-300 of the main table is the sweep's
+  300-step snapshot, one file);
+- for each WUDI snapshot of the sweep, its distance from task arithmetic (the sum of the task vectors, where WUDI
+  starts) and to D C⁺ (``closed_form``, the limit WUDI's gradient descent tends to).
+
+Reads only the store: no model is loaded and nothing is scored. The BENCHMARKS.md norms and sweep distances of the
+LoRA track come from it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from specmerge_bench.accuracy.merging import Candidate
+from specmerge_bench.accuracy.rows import WUDI_STEPS
+from specmerge_bench.inputs import Parser
+
+METHOD = "method/"  # the merge store's prefix of the method's own tensors (the rest are the averaged ones)
+
+
+def method_deltas(path: Path) -> dict[str, torch.Tensor]:
+    """One stored candidate's method tensors, in float64."""
+    with safe_open(path, "pt") as f:
+        return {name: f.get_tensor(name).double() for name in f.keys() if name.startswith(METHOD)}  # noqa: SIM118
+
+
+def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Frobenius norm of a - b over all tensors (an absent tensor counts as zero)."""
+    zero = torch.zeros((), dtype=torch.float64)
+    return sum(((a.get(k, zero) - b.get(k, zero)) ** 2).sum() for k in a.keys() | b.keys()).sqrt().item()
+
+
+def main() -> None:
+    parser = Parser(prog="merge_distances.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--merges", type=Path, required=True,
+                        help="one seed's merge store: CACHE/merges/<experts key>/seed<k>-<code key>-<cpu>")  # fmt: skip
+    args = parser.parse_args()
+    if not args.merges.is_dir():
+        parser.error(f"--merges {args.merges} is not a folder")
+    stored = {path.stem: path for path in sorted(args.merges.glob("*.safetensors"))}
+    sweep = {Candidate("wudi_steps", "wudi", {"steps": s}).key: s for s in WUDI_STEPS}
+    ends = {}
+    for method in ("task_arithmetic", "closed_form"):
+        keys = [key for key in stored if key.startswith(f"{method}-")]
+        if len(keys) != 1:
+            parser.error(f"--merges {args.merges} holds {len(keys)} {method}-*.safetensors, expected one (give one "
+                         "seed's folder of a finished merge stage)")  # fmt: skip
+        ends[method] = method_deltas(stored[keys[0]])
+    zero: dict[str, torch.Tensor] = {}
+    norms, distances = [], []
+    for key, path in stored.items():  # each file read once: its norm, and its distances if it is a WUDI snapshot
+        deltas = method_deltas(path)
+        norms.append(f"| {key} | {distance(deltas, zero):.1f} |")
+        if key in sweep:
+            distances.append((sweep[key], f"| {sweep[key]:,} | {distance(deltas, ends['task_arithmetic']):.1f} | "
+                             f"{distance(deltas, ends['closed_form']):.1f} |"))  # fmt: skip
+    print("| candidate | norm of its merged delta |\n|---|---:|", *norms, sep="\n")
+    print("\n| WUDI steps | distance from TA (its start) | distance to D C⁺ (its limit) |\n|---:|---:|---:|")
+    print(*(row for _, row in sorted(distances)), sep="\n")
+    print(f"| D C⁺ | {distance(ends['closed_form'], ends['task_arithmetic']):.1f} | 0 |")
+
+
+if __name__ == "__main__":
+    main()
