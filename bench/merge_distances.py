@@ -1,8 +1,9 @@
 """Sizes of the accuracy benchmark's stored merges, and where the WUDI sweep's iterate lies between its ends.
 
     python bench/merge_distances.py --merges CACHE/merges/<experts key>/seed<k>-<code key>-<cpu>
+    python bench/merge_distances.py --adapters CACHE/lora-experts/<experts key>/seed<k>
 
-Reads one seed's merge store (a ``<candidate key>.safetensors`` per candidate, written by ``specmerge-bench
+``--merges`` reads one seed's merge store (a ``<candidate key>.safetensors`` per candidate, written by ``specmerge-bench
 accuracy``) and prints, in Frobenius norms over every merged tensor of the method (before the scale s):
 
 - each stored candidate's merged delta (the WUDI snapshots included: WUDI-300 of the main table is the sweep's
@@ -10,7 +11,11 @@ accuracy``) and prints, in Frobenius norms over every merged tensor of the metho
 - for each WUDI snapshot of the sweep, its distance from task arithmetic (the sum of the task vectors, where WUDI
   starts) and to D C⁺ (``closed_form``, the limit WUDI's gradient descent tends to).
 
-Reads only the store: no model is loaded and nothing is scored. The BENCHMARKS.md norms and sweep distances of the
+``--adapters`` reads one seed's LoRA experts (a PEFT adapter folder per task) and prints each expert's task vector
+``scale * B @ A`` in the same norm, and the norm of their sum (task arithmetic at s = 1, which the merge store's
+``task_arithmetic`` candidate holds: the two figures check each other).
+
+Reads only these files: no model is loaded and nothing is scored. The BENCHMARKS.md norms and sweep distances of the
 LoRA track come from it.
 """
 
@@ -21,6 +26,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from specmerge.errors import SpecmergeError
+from specmerge.io.peft import is_adapter, open_adapter
 from specmerge_bench.accuracy.merging import Candidate
 from specmerge_bench.accuracy.rows import WUDI_STEPS
 from specmerge_bench.inputs import Parser
@@ -40,20 +47,39 @@ def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return sum(((a.get(k, zero) - b.get(k, zero)) ** 2).sum() for k in a.keys() | b.keys()).sqrt().item()
 
 
-def main() -> None:
-    parser = Parser(prog="merge_distances.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--merges", type=Path, required=True,
-                        help="one seed's merge store: CACHE/merges/<experts key>/seed<k>-<code key>-<cpu>")  # fmt: skip
-    args = parser.parse_args()
-    if not args.merges.is_dir():
-        parser.error(f"--merges {args.merges} is not a folder")
-    stored = {path.stem: path for path in sorted(args.merges.glob("*.safetensors"))}
+def task_vectors(parser: Parser, folder: Path) -> None:
+    """Print each LoRA expert's task vector norm (in float64) and the norm of their sum."""
+    if not folder.is_dir():
+        parser.error(f"--adapters {folder} is not a folder")
+    adapters = sorted(path for path in folder.iterdir() if is_adapter(path))
+    if not adapters:
+        parser.error(f"--adapters {folder} holds no PEFT adapter folders (give CACHE/lora-experts/<key>/seed<k>)")
+    total: dict[str, torch.Tensor] = {}
+    rows = []
+    for path in adapters:
+        try:
+            with open_adapter(path) as adapter:
+                deltas = {name: adapter.load(name).to("cpu", torch.float64).dense() for name in adapter.modules()}
+        except SpecmergeError as error:
+            parser.error(str(error))
+        for name, delta in deltas.items():
+            total[name] = total[name] + delta if name in total else delta
+        rows.append(f"| {path.name} | {len(deltas)} | {distance(deltas, {}):.1f} |")
+    print("| expert | adapted weights | norm of its task vector |\n|---|---:|---:|", *rows, sep="\n")
+    print(f"| sum (task arithmetic, s = 1) | {len(total)} | {distance(total, {}):.1f} |")
+
+
+def merge_store(parser: Parser, merges: Path) -> None:
+    """Print the stored candidates' norms and the WUDI sweep's distances to its ends."""
+    if not merges.is_dir():
+        parser.error(f"--merges {merges} is not a folder")
+    stored = {path.stem: path for path in sorted(merges.glob("*.safetensors"))}
     sweep = {Candidate("wudi_steps", "wudi", {"steps": s}).key: s for s in WUDI_STEPS}
     ends = {}
     for method in ("task_arithmetic", "closed_form"):
         keys = [key for key in stored if key.startswith(f"{method}-")]
         if len(keys) != 1:
-            parser.error(f"--merges {args.merges} holds {len(keys)} {method}-*.safetensors, expected one (give one "
+            parser.error(f"--merges {merges} holds {len(keys)} {method}-*.safetensors, expected one (give one "
                          "seed's folder of a finished merge stage)")  # fmt: skip
         ends[method] = method_deltas(stored[keys[0]])
     zero: dict[str, torch.Tensor] = {}
@@ -68,6 +94,21 @@ def main() -> None:
     print("\n| WUDI steps | distance from TA (its start) | distance to D C⁺ (its limit) |\n|---:|---:|---:|")
     print(*(row for _, row in sorted(distances)), sep="\n")
     print(f"| D C⁺ | {distance(ends['closed_form'], ends['task_arithmetic']):.1f} | 0 |")
+
+
+def main() -> None:
+    parser = Parser(prog="merge_distances.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--merges", type=Path,
+                        help="one seed's merge store: CACHE/merges/<experts key>/seed<k>-<code key>-<cpu>")  # fmt: skip
+    parser.add_argument("--adapters", type=Path,
+                        help="one seed's LoRA experts: CACHE/lora-experts/<experts key>/seed<k>")  # fmt: skip
+    args = parser.parse_args()
+    if args.merges is None and args.adapters is None:
+        parser.error("give --merges, --adapters or both")
+    if args.adapters is not None:
+        task_vectors(parser, args.adapters)
+    if args.merges is not None:
+        merge_store(parser, args.merges)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The benchmark scripts in bench/ and `specmerge-bench`: a missing or wrong input is one line, never a traceback."""
 
+import json
 import runpy
 import sys
 from pathlib import Path
@@ -60,6 +61,8 @@ def cases(tmp: Path, family: Path) -> list[tuple[list[str], str]]:
         (["grid_edges.py", "--cache", str(tmp / "empty")], "holds no lora experts of seed 0"),
         (["accuracy_keep.py", "--cache", str(tmp / "none"), "--out", str(tmp / "kept")], "is not a folder"),
         (["merge_distances.py", "--merges", str(tmp / "none")], "is not a folder"),
+        (["merge_distances.py"], "give --merges, --adapters or both"),
+        (["merge_distances.py", "--adapters", str(tmp / "empty")], "holds no PEFT adapter folders"),
         (["merge_distances.py", "--merges", str(tmp / "empty")], "holds 0 task_arithmetic-*.safetensors, expected one"),
         (["lora_speed.py", "--methods", "ties"], "invalid choice: 'ties'"),
         (["ray_executor.py", "--models", str(tmp / "empty"), "--work", str(tmp / "w")], "is not a folder"),
@@ -104,6 +107,36 @@ def test_merge_distances_norms_and_sweep(tmp_path, capsys):
     assert "| task_arithmetic-0000000000 | 5.0 |" in out and "| closed_form-0000000000 | 8.5 |" in out, out
     sweep = out[out.index("| WUDI steps |") :].splitlines()[2:]
     assert sweep == ["| 100 | 5.0 | 16.3 |", "| 1,000 | 3.0 | 9.0 |", "| D C⁺ | 12.0 | 0 |"], out
+
+
+def test_merge_distances_task_vectors(tmp_path, capsys):
+    """Each LoRA expert's task vector scale * B @ A (the config's alpha / r applied) and their sum, in exact figures;
+    an adapter whose config does not describe its weights is one line naming it."""
+    from specmerge.io.peft import adapter_config, write_adapter
+    from specmerge.linalg.lowrank import AdapterFactors
+
+    def adapter(name: str, factors: dict[str, tuple[float, float]]) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        pairs = {k: AdapterFactors(torch.tensor([[b]]), torch.tensor([[a]]), 0.0) for k, (b, a) in factors.items()}
+        config = {**adapter_config(dict.fromkeys(factors, 1), base_model="tiny"), "lora_alpha": 2}  # scale 2
+        write_adapter(folder, pairs, config)
+        return folder
+
+    adapter("a", {"x.w1.weight": (1.0, 1.5), "x.w2.weight": (2.0, 1.0)})  # deltas 3, 4: norm 5
+    adapter("b", {"x.w1.weight": (-1.5, 1.0), "x.w2.weight": (4.0, 1.0)})  # deltas -3, 8: norm sqrt(73)
+    (tmp_path / "not-an-adapter").mkdir()
+    run_script("merge_distances.py", "--adapters", str(tmp_path))
+    out = capsys.readouterr().out.splitlines()
+    assert out[2:] == ["| a | 2 | 5.0 |", "| b | 2 | 8.5 |", "| sum (task arithmetic, s = 1) | 2 | 12.0 |"], out
+    bad = adapter("c", {"x.w1.weight": (1.0, 1.0)})
+    (bad / "adapter_config.json").write_text(
+        json.dumps({**adapter_config({"x.w1.weight": 1}, base_model="tiny"), "r": 2})
+    )
+    with pytest.raises(SystemExit):
+        run_script("merge_distances.py", "--adapters", str(tmp_path))
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "c/adapter_config.json" in err and "rank" in err, err
 
 
 def test_specmerge_bench_refuses_bad_inputs_in_one_line(tmp_path, capsys):
