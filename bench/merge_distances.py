@@ -24,7 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from specmerge.errors import SpecmergeError
 from specmerge.io.peft import is_adapter, open_adapter
@@ -35,10 +35,14 @@ from specmerge_bench.inputs import Parser
 METHOD = "method/"  # the merge store's prefix of the method's own tensors (the rest are the averaged ones)
 
 
-def method_deltas(path: Path) -> dict[str, torch.Tensor]:
-    """One stored candidate's method tensors, in float64."""
-    with safe_open(path, "pt") as f:
-        return {name: f.get_tensor(name).double() for name in f.keys() if name.startswith(METHOD)}  # noqa: SIM118
+def method_deltas(parser: Parser, path: Path) -> dict[str, torch.Tensor]:
+    """One stored candidate's method tensors, in float64 (a file that cannot be read is a one-line error)."""
+    try:
+        with safe_open(path, "pt") as f:
+            return {name: f.get_tensor(name).double() for name in f.keys() if name.startswith(METHOD)}  # noqa: SIM118
+    except (SafetensorError, OSError) as error:
+        parser.error(f"{path}: not a readable safetensors file ({error}); delete it and rerun the benchmark's merge "
+                     "stage, which writes it again")  # fmt: skip
 
 
 def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -81,11 +85,11 @@ def merge_store(parser: Parser, merges: Path) -> None:
         if len(keys) != 1:
             parser.error(f"--merges {merges} holds {len(keys)} {method}-*.safetensors, expected one (give one "
                          "seed's folder of a finished merge stage)")  # fmt: skip
-        ends[method] = method_deltas(stored[keys[0]])
+        ends[method] = method_deltas(parser, stored[keys[0]])
     zero: dict[str, torch.Tensor] = {}
     norms, distances = [], []
     for key, path in stored.items():  # each file read once: its norm, and its distances if it is a WUDI snapshot
-        deltas = method_deltas(path)
+        deltas = method_deltas(parser, path)
         norms.append(f"| {key} | {distance(deltas, zero):.1f} |")
         if key in sweep:
             distances.append((sweep[key], f"| {sweep[key]:,} | {distance(deltas, ends['task_arithmetic']):.1f} | "

@@ -107,6 +107,12 @@ def test_merge_distances_norms_and_sweep(tmp_path, capsys):
     assert "| task_arithmetic-0000000000 | 5.0 |" in out and "| closed_form-0000000000 | 8.5 |" in out, out
     sweep = out[out.index("| WUDI steps |") :].splitlines()[2:]
     assert sweep == ["| 100 | 5.0 | 16.3 |", "| 1,000 | 3.0 | 9.0 |", "| D C⁺ | 12.0 | 0 |"], out
+    bad = tmp_path / f"{Candidate('wudi_steps', 'wudi', {'steps': 500}).key}.safetensors"
+    bad.write_bytes(b"\xff" * 16)  # a header length no file this size can hold
+    with pytest.raises(SystemExit):
+        run_script("merge_distances.py", "--merges", str(tmp_path))
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and bad.name in err and "not a readable safetensors file" in err, err
 
 
 def test_merge_distances_task_vectors(tmp_path, capsys):
