@@ -79,25 +79,27 @@ def merge_store(parser: Parser, merges: Path) -> None:
         parser.error(f"--merges {merges} is not a folder")
     stored = {path.stem: path for path in sorted(merges.glob("*.safetensors"))}
     sweep = {Candidate("wudi_steps", "wudi", {"steps": s}).key: s for s in WUDI_STEPS}
-    ends = {}
+    ends = {}  # the two ends' stored keys, by method
     for method in ("task_arithmetic", "closed_form"):
         keys = [key for key in stored if key.startswith(f"{method}-")]
         if len(keys) != 1:
             parser.error(f"--merges {merges} holds {len(keys)} {method}-*.safetensors, expected one (give one "
                          "seed's folder of a finished merge stage)")  # fmt: skip
-        ends[method] = method_deltas(parser, stored[keys[0]])
+        ends[method] = keys[0]
+    read = {key: method_deltas(parser, stored[key]) for key in ends.values()}
+    start, limit = read[ends["task_arithmetic"]], read[ends["closed_form"]]
     zero: dict[str, torch.Tensor] = {}
     norms, distances = [], []
     for key, path in stored.items():  # each file read once: its norm, and its distances if it is a WUDI snapshot
-        deltas = method_deltas(parser, path)
+        deltas = read[key] if key in read else method_deltas(parser, path)
         norms.append(f"| {key} | {distance(deltas, zero):.1f} |")
         if key in sweep:
-            distances.append((sweep[key], f"| {sweep[key]:,} | {distance(deltas, ends['task_arithmetic']):.1f} | "
-                             f"{distance(deltas, ends['closed_form']):.1f} |"))  # fmt: skip
+            distances.append((sweep[key], f"| {sweep[key]:,} | {distance(deltas, start):.1f} | "
+                             f"{distance(deltas, limit):.1f} |"))  # fmt: skip
     print("| candidate | norm of its merged delta |\n|---|---:|", *norms, sep="\n")
     print("\n| WUDI steps | distance from TA (its start) | distance to D C⁺ (its limit) |\n|---:|---:|---:|")
     print(*(row for _, row in sorted(distances)), sep="\n")
-    print(f"| D C⁺ | {distance(ends['closed_form'], ends['task_arithmetic']):.1f} | 0 |")
+    print(f"| D C⁺ | {distance(limit, start):.1f} | 0 |")
 
 
 def main() -> None:
