@@ -7,17 +7,20 @@ needed). :func:`stored_merge` wraps a merger so that every candidate it computes
 returns (the candidates first, then the WUDI sweep, so a stop during the sweep keeps the others), and is read back
 next time.
 The code key (:func:`specmerge_bench.accuracy.scores.code_key`) is in the folder name: a change to the merge code
-merges again. Files are written to a temporary name and renamed into place, so a stop leaves no half-written one.
+merges again. Files are written to a temporary name and renamed into place, so a stop leaves no half-written one;
+a stored file that cannot be read all the same (a damaged disk, an edit by hand) is a cache miss: it is merged again,
+and its path is said on stderr.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from specmerge_bench.accuracy.merging import Candidate, MergedDeltas
@@ -35,7 +38,22 @@ class MergeStore:
         return self.folder / f"{key}.safetensors"
 
     def has(self, key: str) -> bool:
-        return self.path(key).is_file()
+        """Whether ``key`` is stored and readable (its header and metadata parse and its file covers every tensor:
+        safetensors checks the sizes on open). An unreadable file is reported on stderr and counts as absent, so
+        the caller merges it again and :meth:`save` replaces it."""
+        path = self.path(key)
+        if not path.is_file():
+            return False
+        try:
+            with safe_open(path, "pt") as f:
+                meta = json.loads((f.metadata() or {})["specmerge_bench"])
+            readable = isinstance(meta, dict) and {"seconds", "routes"} <= meta.keys()
+            problem = "its metadata lacks the benchmark's record"
+        except (SafetensorError, OSError, KeyError, ValueError) as error:
+            readable, problem = False, f"{type(error).__name__}: {error}"
+        if not readable:
+            print(f"specmerge-bench: stored merge {path} is unreadable ({problem}); merging it again", file=sys.stderr)
+        return readable
 
     def save(self, key: str, deltas: MergedDeltas, seconds_key: str) -> None:
         tensors = {f"{part}/{name}": t.contiguous() for part in PARTS for name, t in getattr(deltas, part)[key].items()}
