@@ -19,7 +19,13 @@ def test_benchmark_end_to_end_and_rescoring_from_the_cache(world, tiny_model_dir
     monkeypatch.setattr(bench, "SCALES", (0.3, 1.0))
     run = {"model_dir": tiny_model_dir, "manifest": world["manifest"], "steps": 5, "progress": False,
            "adamerging": rows.AdaMergingSettings(steps=2)}  # fmt: skip
-    summary, folder = bench.run_benchmark(world["cache"], (0, 1), log=lambda line: None, **run)
+    lines = []
+    summary, folder = bench.run_benchmark(world["cache"], (0, 1), log=lines.append, **run)
+    for seed in (0, 1):  # a line per merge call and per row, with its choice and test accuracy
+        said = [line for line in lines if line.startswith(f"seed {seed}: ")]
+        assert sum(" candidates, WUDI snapshots " in line for line in said) == 2  # the main table, then the sweep
+        for row in bench.method_rows() + rows.step_rows():
+            assert any(line.startswith(f"seed {seed}: {row.title}: ") and " test " in line for line in said)
     assert {p.name for p in folder.iterdir()} >= {"results.json", "results.md", "accuracy.png", "wudi_steps.png"}
     assert f"-{precision.resolve('auto')}-{torch.backends.cpu.get_cpu_capability()}-" in folder.name
     assert json.loads((folder / "timings.json").read_text())[-1]["precision"].startswith(precision.resolve("auto"))
@@ -46,7 +52,9 @@ def test_benchmark_end_to_end_and_rescoring_from_the_cache(world, tiny_model_dir
         return merge(base, experts, candidates, **kwargs)
 
     monkeypatch.setattr(bench, "merge_candidates", recording_merge)
-    again, _ = bench.run_benchmark(world["cache"], (0, 1), log=lambda line: None, **run)
+    lines.clear()
+    again, _ = bench.run_benchmark(world["cache"], (0, 1), log=lines.append, **run)
+    assert not any(" candidates, WUDI snapshots " in line for line in lines)
     assert calls == [] and again["rows"]["tsv_m"]["average"] == summary["rows"]["tsv_m"]["average"]
     assert merged == []  # nothing is merged again when every score is cached
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,7 @@ def evaluate_seed(
     progress: bool = True,
     expert_scores: Mapping[str, Mapping[str, Mapping[str, float]]] | None = None,
     merge: Merger | None = None,
+    log: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """Every row for one set of experts (task -> expert state dict): chosen setting, val mean, test accuracies;
     with ``adamerging``, the AdaMerging rows, each next to its anchor row.
@@ -69,7 +71,8 @@ def evaluate_seed(
     ``expert_scores`` (task -> split -> task -> accuracy, as ``build_experts`` scored each expert with the same
     scorer) gives each expert's own accuracy without scoring it again; without it the experts are scored here.
     ``merge`` computes the candidates' deltas (default: :func:`merge_candidates` on the experts' state dicts; the
-    LoRA track's :class:`~specmerge_bench.accuracy.lora.AdapterMerger` merges adapter folders instead).
+    LoRA track's :class:`~specmerge_bench.accuracy.lora.AdapterMerger` merges adapter folders instead). ``log``
+    gets a line per merge call and per row (its choice, test accuracy and seconds, cached work included).
 
     The main table's rows are merged and scored first, then the WUDI step sweep (its run to 5,000 steps is the
     longest merge), so a run stopped in the sweep keeps every main row. Only the candidates with a score (or,
@@ -94,19 +97,31 @@ def evaluate_seed(
     # the main table first, then the WUDI step sweep (its long run merged only once the main rows are scored);
     # within each, the rows the paper's claims compare first (CLAIMED), the table keeps the registry's order
     chosen: dict[str, dict[str, Any]] = {}
+
+    def timed(label: str, compute: Callable[[], dict[str, Any]]) -> None:
+        start = time.perf_counter()
+        chosen[label] = record = compute()
+        test = 100 * exact_mean(list(record["test"].values()))
+        log(f"{record['title']}: {record['choice']}, s={record['scale']}, test {test:.2f} % "
+            f"({time.perf_counter() - start:.0f} s)")  # fmt: skip
+
     for rows in (method_rows(), step_rows()):
         needed = {c.key: c for c in missing_candidates(rows, cache, adamerging)}
         wudi_steps = sorted({c.params["steps"] for c in needed.values() if c.method == "wudi"})  # one run, snapshots
         todo = [c for c in needed.values() if c.method != "wudi"]
+        start = time.perf_counter()
         deltas = merge(todo, wudi_steps, progress) if needed else MergedDeltas({}, {}, {})
         merged = [c.key for c in todo] + (["wudi_steps"] if wudi_steps else [])
+        if needed:  # (a stored merge is read from disk: seconds, not minutes)
+            log(f"merged {len(todo)} candidates, WUDI snapshots {wudi_steps}: {time.perf_counter() - start:.0f} s")
         for key in merged:
             routes = {"routes": deltas.routes[key]} if key in deltas.routes else {}
             cache.put(f"{key}|merge", {"seconds": deltas.seconds[key], **routes})
         for row in sorted(rows, key=lambda r: r.label not in CLAIMED):  # stable: registry order otherwise
-            chosen[row.label] = choose(row, base, deltas, score, cache)
+            timed(row.label, functools.partial(choose, row, base, deltas, score, cache))
             for ada in anchored(row, adamerging):
-                chosen[ada.label] = adamerge_row(ada, row, base, deltas, score, cache, adamerging, progress)
+                timed(ada.label, functools.partial(adamerge_row, ada, row, base, deltas, score, cache, adamerging,
+                                                   progress))  # fmt: skip
         del deltas
     for row in method_rows() + step_rows():
         for label in (row.label, *(ada.label for ada in anchored(row, adamerging))):
@@ -268,8 +283,6 @@ def _run_benchmark(
     track: str,
     n_tasks: int,
 ) -> tuple[dict[str, Any], Path]:
-    import time
-
     import torch
 
     from specmerge_bench.accuracy import model as accuracy_model
@@ -315,7 +328,7 @@ def _run_benchmark(
         cache = ScoreCache(cache_dir / "scores" / experts_key / named, by_weights)
         per_seed.append({"seed": seed, "track": track, **evaluate_seed(
             base, experts, score, cache, adamerging=stage, progress=progress, expert_scores=built["experts"][seed],
-            merge=merge)})  # fmt: skip
+            merge=merge, log=lambda line, seed=seed: log(f"seed {seed}: {line}"))})  # fmt: skip
         seconds[f"merge and score, seed {seed}"] = time.perf_counter() - start
         log(f"seed {seed}: merged and scored in {seconds[f'merge and score, seed {seed}']:.0f} s")
     summary = summarize(per_seed)
