@@ -47,13 +47,14 @@ class MergeStore:
         try:
             with safe_open(path, "pt") as f:
                 meta = json.loads((f.metadata() or {})["specmerge_bench"])
-            readable = isinstance(meta, dict) and {"seconds", "routes"} <= meta.keys()
-            problem = "its metadata lacks the benchmark's record"
         except (SafetensorError, OSError, KeyError, ValueError) as error:
-            readable, problem = False, f"{type(error).__name__}: {error}"
-        if not readable:
-            print(f"specmerge-bench: stored merge {path} is unreadable ({problem}); merging it again", file=sys.stderr)
-        return readable
+            problem = f"{type(error).__name__}: {error}"
+        else:
+            if isinstance(meta, dict) and {"seconds", "routes"} <= meta.keys():
+                return True
+            problem = "its metadata lacks the benchmark's record"
+        print(f"specmerge-bench: stored merge {path} is unreadable ({problem}); merging it again", file=sys.stderr)
+        return False
 
     def save(self, key: str, deltas: MergedDeltas, seconds_key: str) -> None:
         tensors = {f"{part}/{name}": t.contiguous() for part in PARTS for name, t in getattr(deltas, part)[key].items()}
