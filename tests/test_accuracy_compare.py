@@ -52,6 +52,23 @@ def test_paired_differences_table_and_plots(tmp_path):
     assert all((tmp_path / "img" / name).stat().st_size > 0 for name in names)
 
 
+def test_plots_take_every_settings_rows_and_a_setting_with_none_yet(tmp_path, monkeypatch):
+    """A stopped run's first seed may have only the base and the experts; the panels still list every row."""
+    stopped = compare.load_results(write(tmp_path / "stopped", [seed(0.0, drop=tuple(LABELS))]))
+    full = compare.load_results(write(tmp_path / "full", [seed(0.0)]))
+    assert stopped["summary"]["rows"] == {}
+    titles = []
+    import matplotlib.axes
+
+    barh = matplotlib.axes.Axes.barh
+    monkeypatch.setattr(
+        matplotlib.axes.Axes, "barh", lambda ax, y, *a, **k: titles.append(list(y)) or barh(ax, y, *a, **k)
+    )
+    compare.plots({"stopped": stopped, "full": full}, tmp_path / "img")
+    expected = [label.upper() for label in LABELS if not label.startswith("wudi_")]
+    assert titles == [expected, expected]
+
+
 def test_the_command_refuses_bad_settings_in_one_line(tmp_path, capsys):
     good = write(tmp_path / "good", [seed(0.0)])
     (tmp_path / "bad").mkdir()

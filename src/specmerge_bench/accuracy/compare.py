@@ -160,7 +160,8 @@ def plots(settings: Mapping[str, Mapping[str, Any]], folder: Path) -> list[Path]
     import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
-    order = [k for k in next(iter(settings.values()))["summary"]["rows"] if k not in SWEEP]
+    # every row of any setting, in the order the settings first name them (a stopped run may have none yet)
+    order = list(dict.fromkeys(k for r in settings.values() for k in r["summary"]["rows"] if k not in SWEEP))
     fig, axes = plt.subplots(1, len(settings), figsize=(4.2 * len(settings) + 2.5, 0.33 * len(order) + 1.6),
                              sharey=True, squeeze=False)  # fmt: skip
     titles = [_title(settings, k) for k in order]
@@ -171,7 +172,7 @@ def plots(settings: Mapping[str, Mapping[str, Any]], folder: Path) -> list[Path]
         ax.barh(titles, means, xerr=[100 * f["std"] if f else 0 for f in figs], color="tab:blue", alpha=0.8)
         for key, style in (("base", "--"), ("experts", ":")):
             ax.axvline(100 * summary[key]["average"]["mean"], color="k", linestyle=style, label=key)
-        low = min(100 * summary["base"]["average"]["mean"], *(m for m in means if not math.isnan(m))) - 2
+        low = min([100 * summary["base"]["average"]["mean"], *(m for m in means if not math.isnan(m))]) - 2
         ax.set_xlim(low, 100 * summary["experts"]["average"]["mean"] + 1)
         ax.set_title(f"{name}, {_seeds(results)}", fontsize=10)
         ax.set_xlabel(f"avg test accuracy, {len(summary['tasks'])} tasks (%)")
