@@ -1,4 +1,4 @@
-"""Command line: `specmerge merge`, `specmerge run RECIPE`, `specmerge inspect`, `specmerge methods`, `demo`.
+"""Command line: `specmerge merge`, `specmerge run RECIPE`, `specmerge inspect`, `specmerge methods`, `demo`, `bench`.
 
 The options of ``merge`` and ``inspect`` are generated from the Recipe and InspectOptions models (flags,
 help, defaults, checks); a bad value is one line ``specmerge: error: ...`` and exit status 2.
@@ -6,10 +6,11 @@ help, defaults, checks); a bad value is one line ``specmerge: error: ...`` and e
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 
-from specmerge.cli.commands import build_parser, describe
+from specmerge.cli.commands import bench_command, build_parser, describe
 from specmerge.cli.running import Signalled, stop_on_signals
 
 __all__ = ["build_parser", "describe", "main"]
@@ -20,6 +21,9 @@ OPTIONAL_EXTRAS = {"transformers": "hf", "tokenizers": "hf", "matplotlib": "plot
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``specmerge`` with ``argv`` (default: the process's arguments); return the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # every argument is specmerge-bench's, --help included
+        return bench_command(argparse.Namespace(bench_args=argv[1:]))
     args = build_parser(__doc__).parse_args(argv)
     try:
         with stop_on_signals():

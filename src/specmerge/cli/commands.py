@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import textwrap
 from collections.abc import Callable
 
@@ -154,6 +155,20 @@ def demo_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_command(args: argparse.Namespace) -> int:
+    """``specmerge bench ARGS`` runs ``specmerge-bench ARGS`` and returns its exit status. The benchmarks are their
+    own package (``specmerge_bench``), which the library never imports, so they run as a child process of this
+    interpreter; Ctrl-C reaches both, and this one waits for the benchmark to stop."""
+    import subprocess
+
+    with subprocess.Popen([sys.executable, "-m", "specmerge_bench.cli", *args.bench_args]) as child:
+        try:
+            status = child.wait()
+        except KeyboardInterrupt:  # the benchmark got the same signal and reports it itself
+            status = child.wait()
+    return 128 - status if status < 0 else status  # killed by signal N: 128 + N, as a shell reports it
+
+
 def _dry(args: argparse.Namespace) -> bool:
     """Whether this is a dry run; refuses a merge without -o and --json without --dry-run (one line each)."""
     if args.json and not args.dry_run:
@@ -261,6 +276,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", help="keep the demo's models and merges in this folder (default: a temporary one)")
     p.set_defaults(run=demo_command)
+    p = sub.add_parser("bench", add_help=False, help="the benchmarks: the same as specmerge-bench (speed, accuracy)")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="specmerge-bench's arguments")
+    p.set_defaults(run=bench_command)
     from specmerge.cli.adamerge import configure as configure_adamerge
     from specmerge.cli.tune import configure as configure_tune
 
