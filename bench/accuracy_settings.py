@@ -12,6 +12,8 @@ the rows every seed has. Prints a
 markdown table (average test accuracy per row and setting, mean ± std over that setting's seeds), the paper's
 orderings as paired per-seed differences with each row's own seed std (``specmerge_bench.accuracy.compare``), the
 WUDI step sweep's best step count, and writes ``accuracy-settings.png`` and ``wudi-steps-settings.png`` in --out.
+Where one setting's tasks are a proper subset of another's (8 and 16 tasks, same track), it also prints each row
+on the smaller setting's tasks merged alone and within the larger one, paired by seed.
 Reads only the results files: no model is loaded and nothing is scored.
 """
 

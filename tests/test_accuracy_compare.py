@@ -89,3 +89,31 @@ def test_the_command_refuses_bad_settings_in_one_line(tmp_path, capsys):
             sys.argv = argv
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and message in err and len(err.splitlines()) == 1, (args, err)
+
+
+def test_the_smaller_settings_tasks_merged_alone_and_within_the_larger(tmp_path):
+    """Seeds 0 and 1 of both settings; within three tasks every row loses 0.01 + 0.01 k on a and b in seed k."""
+    small = [{**seed(0.01 * k), "seed": k} for k in (0, 1)]
+    large = []
+    for k in (0, 1):
+        one = {**seed(0.01 * k), "seed": k, "tasks": [*TASKS, "c"]}
+        one["experts"] = {**one["experts"], "c": {"test": 0.8}}
+        one["base"] = {"test": {**one["base"]["test"], "c": 0.6}}
+        one["rows"] = {label: {**row, "test": {"a": row["test"]["a"] - 0.01 - 0.01 * k,
+                                               "b": row["test"]["b"] - 0.01 - 0.01 * k, "c": 0.7}}
+                       for label, row in one["rows"].items()}  # fmt: skip
+        large.append(one)
+    small, large = (compare.load_results(write(tmp_path / n, s)) for n, s in (("8", small), ("16", large)))
+    table = compare.shared_tasks(small, large)
+    assert compare.shared_tasks(large, small) is None and compare.shared_tasks(small, small) is None
+    assert table["experts"]["diff"] == {"mean": 0.0, "std": 0.0}
+    # row 2 (closed_form): 0.57 + offset on average over a and b alone; within, 0.015 and 0.02 lower
+    assert table["closed_form"]["small"]["mean"] == pytest.approx(0.575)
+    assert table["closed_form"]["diff"]["mean"] == pytest.approx(-0.015)
+    assert table["closed_form"]["diff"]["std"] == pytest.approx(0.01 / 2**0.5)
+    text = compare.markdown({"8": small, "16": large})
+    assert (
+        "On the 2 tasks of 8, merged alone and within 16 (average test accuracy over those 2 tasks, seeds 0, 1;" in text
+    )
+    assert "| CLOSED_FORM | 57.5 ± 0.7 | 56.0 ± 0.0 | -1.50 ± 0.71 |" in text
+    assert "| Individual experts | 92.5 ± 0.0 | 92.5 ± 0.0 | +0.00 ± 0.00 |" in text

@@ -107,14 +107,69 @@ def sweep_peak(results: Mapping[str, Any]) -> tuple[int, float, int, float] | No
     return (*best, *present[-1])
 
 
+def _on_tasks(seed: Mapping[str, Any], label: str, tasks: Sequence[str]) -> float | None:
+    """A row's (or, for ``experts``, each task's own expert's) average test accuracy over ``tasks`` in one seed."""
+    if label == "experts":
+        return exact_mean([seed["experts"][t]["test"] for t in tasks])
+    row = seed["rows"].get(label)
+    return None if row is None else exact_mean([row["test"][t] for t in tasks])
+
+
+def shared_tasks(small: Mapping[str, Any], large: Mapping[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """How each row does on ``small``'s tasks when merged with ``large``'s further tasks: per row, both settings'
+    average test accuracy over ``small``'s tasks on the seeds both have, and their paired difference (large - small)
+    as mean and std over those seeds. None unless ``small``'s tasks are a proper subset of ``large``'s, the track is
+    the same and a seed is shared (the same seed trains the same expert for a task in both settings)."""
+    first = small["per_seed"][0], large["per_seed"][0]
+    tasks = sorted(first[0]["tasks"])
+    if not set(tasks) < set(first[1]["tasks"]) or first[0].get("track", "full") != first[1].get("track", "full"):
+        return None
+    by_seed = [{s["seed"]: s for s in r["per_seed"] if s.get("seed") is not None} for r in (small, large)]
+    seeds = sorted(set(by_seed[0]) & set(by_seed[1]))
+    if not seeds:
+        return None
+    out = {}
+    for label in ["experts", *first[0]["rows"]]:
+        pairs = [(_on_tasks(by_seed[0][k], label, tasks), _on_tasks(by_seed[1][k], label, tasks)) for k in seeds]
+        if all(a is not None and b is not None for a, b in pairs):
+            out[label] = {"small": seed_stats([a for a, _ in pairs]), "large": seed_stats([b for _, b in pairs]),
+                          "diff": seed_stats([b - a for a, b in pairs]), "seeds": seeds}  # fmt: skip
+    return out
+
+
+def _cell(figure: Mapping[str, float], seeds: int, digits: int = 1, sign: str = "") -> str:
+    """``mean ± std`` in points; the mean alone for one seed (a std over one seed says nothing)."""
+    mean = f"{100 * figure['mean']:{sign}.{digits}f}"
+    return mean if seeds < 2 else f"{mean} ± {100 * figure['std']:.{digits}f}"
+
+
+def _shared_markdown(settings: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """A table per pair of settings where one's tasks are a proper subset of the other's (:func:`shared_tasks`)."""
+    lines: list[str] = []
+    for small_name, small in settings.items():
+        for large_name, large in settings.items():
+            table = shared_tasks(small, large)
+            if not table:
+                continue
+            seeds = next(iter(table.values()))["seeds"]
+            n = len(small["per_seed"][0]["tasks"])
+            lines += ["", f"On the {n} tasks of {small_name}, merged alone and within {large_name} (average test "
+                      f"accuracy over those {n} tasks, seeds {', '.join(map(str, seeds))}; the change is paired by "
+                      "seed):", "", f"| method | {small_name} | {large_name} | change |",
+                      "|---|---:|---:|---:|"]  # fmt: skip
+            for label, figure in table.items():
+                title = "Individual experts" if label == "experts" else _title(settings, label)
+                cells = [_cell(figure[k], len(seeds)) for k in ("small", "large")]
+                lines.append(f"| {title} | {' | '.join(cells)} | {_cell(figure['diff'], len(seeds), 2, '+')} |")
+    return lines
+
+
 def markdown(settings: Mapping[str, Mapping[str, Any]]) -> str:
     """The table of every row in every setting (average test accuracy, mean ± std over seeds, in %) and the claims."""
     names = list(settings)
 
     def spread(results: Mapping[str, Any], figure: Mapping[str, float], digits: int = 1, sign: str = "") -> str:
-        """``mean ± std`` in points; the mean alone for one seed (a std over one seed says nothing)."""
-        mean = f"{100 * figure['mean']:{sign}.{digits}f}"
-        return mean if results["summary"]["seeds"] < 2 else f"{mean} ± {100 * figure['std']:.{digits}f}"
+        return _cell(figure, results["summary"]["seeds"], digits, sign)
 
     lines = ["| method | " + " | ".join(f"{name} ({_seeds(settings[name])})" for name in names)
              + " |", "|---" + "|---:" * len(names) + "|"]  # fmt: skip
@@ -147,6 +202,7 @@ def markdown(settings: Mapping[str, Mapping[str, Any]]) -> str:
         f"{p[0]} ({100 * p[1]:.1f})" if p else "–" for p in peaks) + " |")  # fmt: skip
     lines.append("| longest run scored (its avg acc) | " + " | ".join(
         f"{p[2]} ({100 * p[3]:.1f})" if p else "–" for p in peaks) + " |")  # fmt: skip
+    lines += _shared_markdown(settings)
     return "\n".join(lines) + "\n"
 
 
