@@ -82,10 +82,12 @@ def _title(settings: Mapping[str, Mapping[str, Any]], label: str) -> str:
     return next((r[label]["title"] for r in rows if label in r), label)
 
 
-def average(seed: Mapping[str, Any], label: str) -> float:
-    """A row's average test accuracy over the tasks in one seed."""
-    test = seed["rows"][label]["test"]
-    return exact_mean([test[t] for t in seed["tasks"]])
+def average(seed: Mapping[str, Any], label: str, tasks: Sequence[str] | None = None) -> float:
+    """A row's average test accuracy over ``tasks`` (default: all the seed's tasks) in one seed; ``experts``: each
+    task's own expert's."""
+    tasks = seed["tasks"] if tasks is None else tasks
+    test = {t: seed["experts"][t]["test"] for t in tasks} if label == "experts" else seed["rows"][label]["test"]
+    return exact_mean([test[t] for t in tasks])
 
 
 def paired(results: Mapping[str, Any], row: str, against: str) -> dict[str, float] | None:
@@ -107,14 +109,6 @@ def sweep_peak(results: Mapping[str, Any]) -> tuple[int, float, int, float] | No
     return (*best, *present[-1])
 
 
-def _on_tasks(seed: Mapping[str, Any], label: str, tasks: Sequence[str]) -> float | None:
-    """A row's (or, for ``experts``, each task's own expert's) average test accuracy over ``tasks`` in one seed."""
-    if label == "experts":
-        return exact_mean([seed["experts"][t]["test"] for t in tasks])
-    row = seed["rows"].get(label)
-    return None if row is None else exact_mean([row["test"][t] for t in tasks])
-
-
 def shared_tasks(small: Mapping[str, Any], large: Mapping[str, Any]) -> dict[str, dict[str, Any]] | None:
     """How each row does on ``small``'s tasks when merged with ``large``'s further tasks: per row, both settings'
     average test accuracy over ``small``'s tasks on the seeds both have, and their paired difference (large - small)
@@ -130,10 +124,11 @@ def shared_tasks(small: Mapping[str, Any], large: Mapping[str, Any]) -> dict[str
         return None
     out = {}
     for label in ["experts", *first[0]["rows"]]:
-        pairs = [(_on_tasks(by_seed[0][k], label, tasks), _on_tasks(by_seed[1][k], label, tasks)) for k in seeds]
-        if all(a is not None and b is not None for a, b in pairs):
-            out[label] = {"small": seed_stats([a for a, _ in pairs]), "large": seed_stats([b for _, b in pairs]),
-                          "diff": seed_stats([b - a for a, b in pairs]), "seeds": seeds}  # fmt: skip
+        if label != "experts" and any(label not in by[k]["rows"] for by in by_seed for k in seeds):
+            continue
+        pairs = [(average(by_seed[0][k], label, tasks), average(by_seed[1][k], label, tasks)) for k in seeds]
+        out[label] = {"small": seed_stats([a for a, _ in pairs]), "large": seed_stats([b for _, b in pairs]),
+                      "diff": seed_stats([b - a for a, b in pairs]), "seeds": seeds}  # fmt: skip
     return out
 
 
@@ -168,9 +163,6 @@ def markdown(settings: Mapping[str, Mapping[str, Any]]) -> str:
     """The table of every row in every setting (average test accuracy, mean ± std over seeds, in %) and the claims."""
     names = list(settings)
 
-    def spread(results: Mapping[str, Any], figure: Mapping[str, float], digits: int = 1, sign: str = "") -> str:
-        return _cell(figure, results["summary"]["seeds"], digits, sign)
-
     lines = ["| method | " + " | ".join(f"{name} ({_seeds(settings[name])})" for name in names)
              + " |", "|---" + "|---:" * len(names) + "|"]  # fmt: skip
     titles: dict[str, str] = {"base": "Base model (probe heads)", "experts": "Individual experts"}
@@ -181,7 +173,7 @@ def markdown(settings: Mapping[str, Mapping[str, Any]]) -> str:
         for results in settings.values():
             summary = results["summary"]
             figure = summary.get(label) or summary["rows"].get(label)
-            cells.append(spread(results, figure["average"]) if figure else "–")
+            cells.append(_cell(figure["average"], summary["seeds"]) if figure else "–")
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     lines += ["", "Paired differences (points; mean ± std over seeds of the per-seed difference; in brackets the two "
               "rows' own seed stds):", "", "| difference | " + " | ".join(names) + " |",
@@ -194,7 +186,8 @@ def markdown(settings: Mapping[str, Mapping[str, Any]]) -> str:
                 cells.append("–")
                 continue
             own = "/".join(f"{100 * rows[k]['average']['std']:.1f}" for k in (row, against))
-            cells.append(spread(results, diff, 2, "+") + (f" ({own})" if results["summary"]["seeds"] > 1 else ""))
+            seeds = results["summary"]["seeds"]
+            cells.append(_cell(diff, seeds, 2, "+") + (f" ({own})" if seeds > 1 else ""))
         lines.append(f"| {_title(settings, row)} − {_title(settings, against)} | " + " | ".join(cells) + " |")
     lines += ["", "| WUDI step sweep | " + " | ".join(names) + " |", "|---" + "|---:" * len(names) + "|"]
     peaks = [sweep_peak(results) for results in settings.values()]
