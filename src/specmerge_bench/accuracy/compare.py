@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from specmerge_bench.accuracy.report import exact_mean, seed_stats, summarize
+from specmerge_bench.accuracy.report import FIXED_TITLES, exact_mean, seed_stats, summarize
 from specmerge_bench.accuracy.rows import CLAIMS, WUDI_STEPS
 
 SWEEP = tuple(f"wudi_{steps}" for steps in WUDI_STEPS)
@@ -77,7 +77,9 @@ def _seeds(results: Mapping[str, Any]) -> str:
 
 
 def _title(settings: Mapping[str, Mapping[str, Any]], label: str) -> str:
-    """A row's title, from the first setting that has the row."""
+    """A row's title, from the first setting that has the row (``base`` and ``experts``: their fixed titles)."""
+    if label in FIXED_TITLES:
+        return FIXED_TITLES[label]
     rows = (results["summary"]["rows"] for results in settings.values())
     return next((r[label]["title"] for r in rows if label in r), label)
 
@@ -153,9 +155,10 @@ def _shared_markdown(settings: Mapping[str, Mapping[str, Any]]) -> list[str]:
                       "seed):", "", f"| method | {small_name} | {large_name} | change |",
                       "|---|---:|---:|---:|"]  # fmt: skip
             for label, figure in table.items():
-                title = "Individual experts" if label == "experts" else _title(settings, label)
                 cells = [_cell(figure[k], len(seeds)) for k in ("small", "large")]
-                lines.append(f"| {title} | {' | '.join(cells)} | {_cell(figure['diff'], len(seeds), 2, '+')} |")
+                lines.append(
+                    f"| {_title(settings, label)} | {' | '.join(cells)} | {_cell(figure['diff'], len(seeds), 2, '+')} |"
+                )
     return lines
 
 
@@ -165,7 +168,7 @@ def markdown(settings: Mapping[str, Mapping[str, Any]]) -> str:
 
     lines = ["| method | " + " | ".join(f"{name} ({_seeds(settings[name])})" for name in names)
              + " |", "|---" + "|---:" * len(names) + "|"]  # fmt: skip
-    titles: dict[str, str] = {"base": "Base model (probe heads)", "experts": "Individual experts"}
+    titles: dict[str, str] = dict(FIXED_TITLES)
     for results in settings.values():
         titles.update({k: r["title"] for k, r in results["summary"]["rows"].items() if k not in SWEEP})
     for label, title in titles.items():

@@ -15,6 +15,9 @@ from typing import Any
 
 from specmerge_bench.accuracy.rows import step_rows
 
+# The two reference rows every table starts with (not methods, so not in the row registry).
+FIXED_TITLES = {"base": "Base model (probe heads)", "experts": "Individual experts"}
+
 
 def exact_mean(values: Sequence[float]) -> float:
     """Exactly rounded mean: independent of the order of ``values`` (a score read back from the cache lists
@@ -91,8 +94,7 @@ def markdown(summary: Mapping[str, Any]) -> str:
         cells += [f"{100 * fig['per_task'][t]['mean']:.1f}" for t in tasks]
         return f"| {title} | " + " | ".join(cells) + " |"
 
-    lines.append(line("Base model (probe heads)", summary["base"]))
-    lines.append(line("Individual experts", summary["experts"]))
+    lines += [line(title, summary[label]) for label, title in FIXED_TITLES.items()]
     sweep = {r.label for r in step_rows()}
     for label, row in summary["rows"].items():
         if label not in sweep or label == "closed_form":
