@@ -82,6 +82,7 @@ def cached_setting(parser: argparse.ArgumentParser, args: argparse.Namespace, n_
     for seed in args.seeds:
         if not any((args.cache / folder).glob(f"*/seed{seed}/*/scores.json")):
             build = f"specmerge-bench accuracy --cache {args.cache} --track {args.track} --seeds {seed}"
+            build += f" --tasks {n_tasks}" if n_tasks != 8 else ""
             parser.error(f"--cache {args.cache} holds no {args.track} experts of seed {seed}; run `{build}`")
     precision.choose(args.precision)
     try:
