@@ -31,12 +31,12 @@ from specmerge_bench.accuracy.settings import SETTINGS
 from specmerge_bench.inputs import Parser, cached_setting
 
 BEYOND = (1.0, 1.25, 1.5, 2.0)
-SCALE_PROBES = [
+SCALE_PROBES = [  # scored in this order, the claimed comparison (TSV-M against SWUDI-A and SWUDI) first
     Candidate("tsv_m", "tsv_m"),
+    Candidate("swudi_a_psqrt", "swudi_a", {"rule": "psqrt"}),
+    Candidate("swudi", "swudi", {"rank_ratio": 0.55, "t": 1800.0}),
     Candidate("iso_c", "iso_c"),
     Candidate("optmerge", "optmerge"),
-    Candidate("swudi", "swudi", {"rank_ratio": 0.55, "t": 1800.0}),
-    Candidate("swudi_a_psqrt", "swudi_a", {"rule": "psqrt"}),
     Candidate("swudi_a_gd", "swudi_a", {"rule": "gavish_donoho"}),
 ]
 WUDI = Candidate("wudi_steps", "wudi", {"steps": 300})  # merge_candidates' label for its wudi_steps sweep
