@@ -80,13 +80,13 @@ def main() -> None:
             norms.setdefault(task, []).append(delta**0.5)
         if jobs:
             deltas = merge_candidates(base, list(experts.values()), scaled + inits,
-                                      wudi_steps=[300] if scaled else [], progress=False)  # fmt: skip
+                                      wudi_steps=[WUDI.params["steps"]] if scaled else [], progress=False)  # fmt: skip
         for candidate, scale in jobs:
             state = deltas.state(base, candidate, scale)
             val = accuracy_model.evaluate(state, tasks_encoded, heads, "val", scratch=base_model)
-            table.setdefault((candidate.label, scale), []).append(statistics.mean(val.values()))
-            print(f"seed {seed}: {candidate.label} s = {scale}: val {100 * table[candidate.label, scale][-1]:.2f}",
-                  flush=True)  # fmt: skip
+            mean_val = statistics.mean(val.values())
+            table.setdefault((candidate.label, scale), []).append(mean_val)
+            print(f"seed {seed}: {candidate.label} s = {scale}: val {100 * mean_val:.2f}", flush=True)
         print(f"seed {seed} done", flush=True)
     print(f"\n{len(built['tasks'])} tasks, precision {precision.tag()}, seeds {' '.join(map(str, args.seeds))}")
     if table:
