@@ -120,3 +120,20 @@ def test_a_setting_pools_seeds_of_several_runs_on_their_common_rows(tmp_path, sm
     with pytest.raises(compare.ResultsError, match="full and LoRA"):
         compare.load_setting([finished, lora])
     assert "| X |" in compare.markdown({"pooled": both})
+
+
+def test_a_rerun_s_cached_flags_do_not_overwrite_the_kept_provenance(tmp_path):
+    cache, out = tmp_path / "cache", tmp_path / "kept"
+    summary = cache / "experts" / KEY / "summary-seeds-0.json"
+    summary.parent.mkdir(parents=True)
+    trained = {"experts": {"0": {"a": {"seconds": {"train": 12.5}, "val": {"a": 0.9}, "cached": False}}}}
+    summary.write_text(json.dumps(trained))
+    keep.keep(cache, out)
+    read_back = json.loads(json.dumps(trained).replace("false", "true"))
+    summary.write_text(json.dumps(read_back))  # a rerun read the expert back from the cache
+    keep.keep(cache, out)
+    assert json.loads((out / "experts" / KEY / "summary-seeds-0.json").read_text()) == trained
+    retrained = {"experts": {"0": {"a": {"seconds": {"train": 13.0}, "val": {"a": 0.9}, "cached": False}}}}
+    summary.write_text(json.dumps(retrained))  # anything else that changed is copied
+    keep.keep(cache, out)
+    assert json.loads((out / "experts" / KEY / "summary-seeds-0.json").read_text()) == retrained

@@ -18,6 +18,7 @@ from the Debian packages and the pinned base model.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -40,7 +41,10 @@ def keep(cache_dir: Path, out_dir: Path) -> tuple[list[Path], list[Path]]:
     into ``out_dir``, same layout.
 
     Symbolic links are not followed (nothing outside the cache is read); each file is replaced atomically, so an
-    interrupted copy leaves the previous one. Returns (kept, left out as too large).
+    interrupted copy leaves the previous one. A kept record that differs from the cache's only in its ``"cached"``
+    flags is left as it is (:func:`_same_but_provenance`): a rerun that read an expert back from the cache rewrites
+    its summary with ``"cached": true``, and the kept copy's ``false`` (trained in that run, with its times) is the
+    record worth keeping. Returns (kept, left out as too large).
     """
     cache_dir, out_dir = Path(cache_dir).resolve(), Path(out_dir).resolve()
     if not cache_dir.is_dir():
@@ -59,12 +63,34 @@ def keep(cache_dir: Path, out_dir: Path) -> tuple[list[Path], list[Path]]:
                 large.append(path)
                 continue
             target = out_dir / path.relative_to(cache_dir)
+            if path.suffix == ".json" and _same_but_provenance(path, target):
+                continue
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=target.parent, delete=False, suffix=".tmp") as tmp:
                 tmp.write(path.read_bytes())
             os.replace(tmp.name, target)
             kept.append(target)
     return kept, large
+
+
+def _without_cached(value: Any) -> Any:
+    """``value`` with every ``"cached"`` key of its objects removed, at any depth."""
+    if isinstance(value, dict):
+        return {k: _without_cached(v) for k, v in value.items() if k != "cached"}
+    if isinstance(value, list):
+        return [_without_cached(v) for v in value]
+    return value
+
+
+def _same_but_provenance(source: Path, target: Path) -> bool:
+    """Whether ``target`` exists and holds the JSON of ``source`` but for ``"cached"`` flags (not byte-equal)."""
+    if not target.is_file() or target.is_symlink():
+        return False
+    try:
+        new, old = json.loads(source.read_bytes()), json.loads(target.read_bytes())
+    except (OSError, ValueError):
+        return False  # unreadable either side: copy, as before
+    return new != old and _without_cached(new) == _without_cached(old)
 
 
 def _expert_scores(root: Path, experts_key: str, seed: int, lora: bool) -> dict[str, dict[str, float]]:
