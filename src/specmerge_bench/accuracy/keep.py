@@ -62,12 +62,12 @@ def keep(cache_dir: Path, out_dir: Path) -> tuple[list[Path], list[Path]]:
             if path.stat().st_size > KEPT_MAX_BYTES:
                 large.append(path)
                 continue
-            target = out_dir / path.relative_to(cache_dir)
-            if path.suffix == ".json" and _same_but_provenance(path, target):
+            target, data = out_dir / path.relative_to(cache_dir), path.read_bytes()
+            if path.suffix == ".json" and _same_but_provenance(data, target):
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=target.parent, delete=False, suffix=".tmp") as tmp:
-                tmp.write(path.read_bytes())
+                tmp.write(data)
             os.replace(tmp.name, target)
             kept.append(target)
     return kept, large
@@ -82,12 +82,12 @@ def _without_cached(value: Any) -> Any:
     return value
 
 
-def _same_but_provenance(source: Path, target: Path) -> bool:
-    """Whether ``target`` exists and holds the JSON of ``source`` but for ``"cached"`` flags (not byte-equal)."""
+def _same_but_provenance(data: bytes, target: Path) -> bool:
+    """Whether ``target`` exists and holds the JSON ``data`` but for ``"cached"`` flags (not byte-equal)."""
     if not target.is_file() or target.is_symlink():
         return False
     try:
-        new, old = json.loads(source.read_bytes()), json.loads(target.read_bytes())
+        new, old = json.loads(data), json.loads(target.read_bytes())
     except (OSError, ValueError):
         return False  # unreadable either side: copy, as before
     return new != old and _without_cached(new) == _without_cached(old)
