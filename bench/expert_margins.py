@@ -17,19 +17,12 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import torch
-
 from specmerge_bench.accuracy import model as accuracy_model
 from specmerge_bench.accuracy import precision
 from specmerge_bench.accuracy.cache_files import load_experts, load_scoring
+from specmerge_bench.accuracy.model import correct
 from specmerge_bench.accuracy.settings import SETTINGS
 from specmerge_bench.inputs import Parser, cached_setting
-
-
-def correct(model, encoded, head) -> torch.Tensor:
-    """Per-sentence correctness (bool) of ``model`` with ``head`` on one encoded split."""
-    features = accuracy_model.pooled_features(model, encoded.inputs)
-    return head.logits(features).argmax(1) == encoded.labels
 
 
 def main() -> None:

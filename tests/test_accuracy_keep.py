@@ -122,7 +122,7 @@ def test_a_setting_pools_seeds_of_several_runs_on_their_common_rows(tmp_path, sm
     assert "| X |" in compare.markdown({"pooled": both})
 
 
-def test_a_rerun_s_cached_flags_do_not_overwrite_the_kept_provenance(tmp_path):
+def test_a_rerun_s_cached_flags_and_times_do_not_overwrite_the_kept_provenance(tmp_path):
     cache, out = tmp_path / "cache", tmp_path / "kept"
     summary = cache / "experts" / KEY / "summary-seeds-0.json"
     summary.parent.mkdir(parents=True)
@@ -134,6 +134,10 @@ def test_a_rerun_s_cached_flags_do_not_overwrite_the_kept_provenance(tmp_path):
     keep.keep(cache, out)
     assert json.loads((out / "experts" / KEY / "summary-seeds-0.json").read_text()) == trained
     retrained = {"experts": {"0": {"a": {"seconds": {"train": 13.0}, "val": {"a": 0.9}, "cached": False}}}}
-    summary.write_text(json.dumps(retrained))  # anything else that changed is copied
+    summary.write_text(json.dumps(retrained))  # retrained elsewhere to the same scores: the kept times stay
     keep.keep(cache, out)
-    assert json.loads((out / "experts" / KEY / "summary-seeds-0.json").read_text()) == retrained
+    assert json.loads((out / "experts" / KEY / "summary-seeds-0.json").read_text()) == trained
+    changed = {"experts": {"0": {"a": {"seconds": {"train": 13.0}, "val": {"a": 0.8}, "cached": False}}}}
+    summary.write_text(json.dumps(changed))  # anything else that changed is copied, times and all
+    keep.keep(cache, out)
+    assert json.loads((out / "experts" / KEY / "summary-seeds-0.json").read_text()) == changed

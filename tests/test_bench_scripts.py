@@ -1,6 +1,7 @@
 """The benchmark scripts in bench/ and `specmerge-bench`: a missing or wrong input is one line, never a traceback."""
 
 import json
+import math
 import runpy
 import sys
 from pathlib import Path
@@ -57,6 +58,8 @@ def cases(tmp: Path, family: Path) -> list[tuple[list[str], str]]:
         (["lora_equivalence.py", "--cache", str(tmp / "empty")], "holds no LoRA experts of seed 0"),
         (["lora_equivalence.py", "--cache", str(tmp / "none")], "is not a folder"),
         (["expert_margins.py", "--cache", str(tmp / "none")], "is not a folder"),
+        (["val_test_shift.py", "--cache", str(tmp / "empty")], "holds no full experts of seed 2"),
+        (["val_test_shift.py", "--cache", str(tmp / "empty"), "--draws", "0"], "--draws must be at least 1"),
         (["expert_margins.py", "--cache", str(tmp / "empty"), "--track", "lora"], "holds no lora experts of seed 0"),
         (["grid_edges.py", "--cache", str(tmp / "none")], "is not a folder"),
         (["grid_edges.py", "--cache", str(tmp / "empty")], "holds no lora experts of seed 0"),
@@ -210,3 +213,26 @@ def test_compute_floor_route_accuracy_names_each_route(family, capsys):
     bound = torch.finfo(torch.float32).eps * float(lam[0] / (lam[kept - 1] - lam[kept]))
     for row in rows:
         assert float(row[3].rstrip(" |")) <= bound, (out, bound)
+
+
+def test_val_test_shift_statistics_agree_with_each_other_and_by_hand():
+    shift = runpy.run_path(str(BENCH / "val_test_shift.py"))  # not as __main__: its functions
+    val, test = torch.tensor([1, 0, 0, -1]), torch.tensor([1, 1, 0, 0, 0, 0, 0, 0])
+    by_hand = (float(val.double().var()) / 4 + float(test.double().var()) / 8) ** 0.5 * 100
+    assert math.isclose(shift["shift_error"]({"t": (val, test)}), by_hand, rel_tol=1e-12)
+    assert math.isclose(shift["shift_error"]({"t": (val, test), "u": (val, test)}), by_hand / 2**0.5, rel_tol=1e-12)
+
+    # two tasks whose val and test come from one distribution: the re-split shifts are centred on 0, and their
+    # spread is the sentence-level standard error (both estimate one sampling std; they differ by the Monte Carlo
+    # error of a std from `draws` samples, about 1 / sqrt(2 draws), and the split-to-pooled variance difference)
+    generator = torch.Generator().manual_seed(1)
+    pairs = {t: tuple(torch.randint(-1, 2, (n,), generator=generator) for n in (300, 600)) for t in "ab"}
+    draws = 4000
+    shifts = shift["resplit_shifts"](pairs, draws, seed=3)
+    assert shifts.shape == (draws,) and torch.equal(shifts, shift["resplit_shifts"](pairs, draws, seed=3))
+    error = shift["shift_error"](pairs)
+    assert abs(float(shifts.mean())) < 4 * error / draws**0.5
+    assert abs(float(shifts.std()) / error - 1) < 4 / (2 * draws) ** 0.5 + 0.05
+    # a split with every +1 in test: the observed shift is far outside the re-split spread
+    skewed = {"a": (torch.zeros(300, dtype=torch.long), torch.ones(600, dtype=torch.long))}
+    assert float(shift["resplit_shifts"](skewed, 200).abs().max()) < 100.0 - 1e-9

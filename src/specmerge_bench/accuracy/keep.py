@@ -42,9 +42,10 @@ def keep(cache_dir: Path, out_dir: Path) -> tuple[list[Path], list[Path]]:
 
     Symbolic links are not followed (nothing outside the cache is read); each file is replaced atomically, so an
     interrupted copy leaves the previous one. A kept record that differs from the cache's only in its ``"cached"``
-    flags is left as it is (:func:`_same_but_provenance`): a rerun that read an expert back from the cache rewrites
-    its summary with ``"cached": true``, and the kept copy's ``false`` (trained in that run, with its times) is the
-    record worth keeping. Returns (kept, left out as too large).
+    flags and ``"seconds"`` times is left as it is (:func:`_same_but_provenance`): a rerun that read an expert back
+    from the cache rewrites its summary with ``"cached": true``, one on a fresh machine retrains it to the same
+    scores in another time, and the kept copy (the run BENCHMARKS.md quotes, with its times) is the record worth
+    keeping. Returns (kept, left out as too large).
     """
     cache_dir, out_dir = Path(cache_dir).resolve(), Path(out_dir).resolve()
     if not cache_dir.is_dir():
@@ -73,24 +74,27 @@ def keep(cache_dir: Path, out_dir: Path) -> tuple[list[Path], list[Path]]:
     return kept, large
 
 
-def _without_cached(value: Any) -> Any:
-    """``value`` with every ``"cached"`` key of its objects removed, at any depth."""
+PROVENANCE = frozenset({"cached", "seconds"})  # what a rerun of the same work changes: not a reason to re-keep
+
+
+def _without_provenance(value: Any) -> Any:
+    """``value`` with every ``PROVENANCE`` key of its objects removed, at any depth."""
     if isinstance(value, dict):
-        return {k: _without_cached(v) for k, v in value.items() if k != "cached"}
+        return {k: _without_provenance(v) for k, v in value.items() if k not in PROVENANCE}
     if isinstance(value, list):
-        return [_without_cached(v) for v in value]
+        return [_without_provenance(v) for v in value]
     return value
 
 
 def _same_but_provenance(data: bytes, target: Path) -> bool:
-    """Whether ``target`` exists and holds the JSON ``data`` but for ``"cached"`` flags (not byte-equal)."""
+    """Whether ``target`` exists and holds the JSON ``data`` but for ``PROVENANCE`` keys (not byte-equal)."""
     if not target.is_file() or target.is_symlink():
         return False
     try:
         new, old = json.loads(data), json.loads(target.read_bytes())
     except (OSError, ValueError):
         return False  # unreadable either side: copy, as before
-    return new != old and _without_cached(new) == _without_cached(old)
+    return new != old and _without_provenance(new) == _without_provenance(old)
 
 
 def _expert_scores(root: Path, experts_key: str, seed: int, lora: bool) -> dict[str, dict[str, float]]:

@@ -212,6 +212,13 @@ def accuracy(head: Head, features: Tensor, labels: Tensor) -> float:
     return float((head.logits(features).argmax(1) == labels).to(torch.float64).mean())
 
 
+def correct(model: transformers.BertModel, encoded: EncodedSplit, head: Head) -> Tensor:
+    """Per-sentence correctness (bool, n) of ``model`` with ``head`` on one encoded split (``pooled_features``'
+    batching and precision, so its mean is ``evaluate``'s accuracy)."""
+    features = pooled_features(model, encoded.inputs)
+    return head.logits(features).argmax(1) == encoded.labels
+
+
 def fit_logistic(features: Tensor, labels: Tensor, l2: float, init: Head | None = None) -> Head:
     """Multinomial logistic regression: minimise mean cross-entropy + ``l2``/2 · ||W||² on standardised features.
 
