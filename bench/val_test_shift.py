@@ -83,7 +83,7 @@ def every_row(cache: ScoreCache, store: MergeStore, base: dict[str, torch.Tensor
         cache.scores["base|val"].values()
     )
     print(f"| base | | | {100 * base_drop:+.2f} | 0 |")
-    for row in method_rows() + step_rows():
+    for row in {row.label: row for row in method_rows() + step_rows()}.values():  # D C+ is in both
         val, candidate, scale = best_on_val(row, cache)
         if not store.has(candidate.key):
             continue
