@@ -74,7 +74,7 @@ def keep(cache_dir: Path, out_dir: Path) -> tuple[list[Path], list[Path]]:
     return kept, large
 
 
-PROVENANCE = frozenset({"cached", "seconds"})  # what a rerun of the same work changes: not a reason to re-keep
+PROVENANCE = frozenset({"cached", "seconds", "eval_sentences_per_second"})  # what a rerun of the same work changes
 
 
 def _without_provenance(value: Any) -> Any:
