@@ -39,11 +39,11 @@ import torch
 from specmerge_bench.accuracy import precision
 from specmerge_bench.accuracy.bench import best_on_val, full_merge
 from specmerge_bench.accuracy.cache_files import load_experts, load_scoring
-from specmerge_bench.accuracy.merge_store import MergeStore, stored_merge
-from specmerge_bench.accuracy.merging import Candidate, MergedDeltas
+from specmerge_bench.accuracy.merge_store import MergeStore, seed_store, stored_merge, sweep_split
+from specmerge_bench.accuracy.merging import MergedDeltas
 from specmerge_bench.accuracy.model import correct, load_state
 from specmerge_bench.accuracy.rows import method_rows, step_rows
-from specmerge_bench.accuracy.scores import ScoreCache, code_key
+from specmerge_bench.accuracy.scores import ScoreCache, score_paths
 from specmerge_bench.accuracy.settings import SETTINGS
 from specmerge_bench.inputs import Parser, cached_setting, fail
 
@@ -68,13 +68,6 @@ def shift_error(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Sentence-level standard error (points) of the mean over tasks of test gap - val gap."""
     variance = sum(float(d.to(torch.float64).var()) / len(d) for split in pairs.values() for d in split)
     return 100 * variance**0.5 / len(pairs)
-
-
-def wanted(chosen: list[tuple[Candidate, float]]) -> tuple[list[Candidate], list[int]]:
-    """A merger's arguments for the chosen candidates: WUDI's come from its one run with snapshots."""
-    return [c for c, _ in chosen if c.method != "wudi"], sorted(
-        {c.params["steps"] for c, _ in chosen if c.method == "wudi"}
-    )
 
 
 def every_row(cache: ScoreCache, store: MergeStore, base: dict[str, torch.Tensor]) -> None:
@@ -119,21 +112,17 @@ def main() -> None:
     if unknown:
         parser.error(f"--subset: {' '.join(unknown)} not among the setting's tasks ({' '.join(built['tasks'])})")
     base_model, base, tasks_encoded, heads = load_scoring(built)
-    capability = torch.backends.cpu.get_cpu_capability()
     print(f"{args.rows[0]} - {args.rows[1]}, {len(built['tasks'])} tasks, precision {precision.tag()}\n")
     for seed in args.seeds:
-        path = (
-            args.cache.resolve() / "scores" / built["experts_key"] / f"seed{seed}-{code_key()}-{precision.tag()}.json"
-        )
+        path, _ = score_paths(args.cache.resolve(), built["experts_key"], seed)
         if not path.is_file():
             fail(parser.prog, f"{path} is missing: run `specmerge-bench accuracy` for seed {seed} first")
         cache = ScoreCache(path)
         chosen = [best_on_val(rows[label], cache)[1:] for label in args.rows]
         experts = load_experts(built, seed, base)
-        store = MergeStore(path.parents[2] / "merges" / built["experts_key"] / f"seed{seed}-{code_key()}-{capability}")
-        deltas = stored_merge(functools.partial(full_merge, base, list(experts.values())), store)(
-            *wanted(chosen), False
-        )
+        store = seed_store(args.cache.resolve(), built["experts_key"], seed)
+        merge = stored_merge(functools.partial(full_merge, base, list(experts.values())), store)
+        deltas = merge(*sweep_split(candidate for candidate, _ in chosen), False)
         right: list[dict[str, dict[str, torch.Tensor]]] = []
         for candidate, scale in chosen:
             load_state(base_model, deltas.state(base, candidate, scale))

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from specmerge.tuning.search import Strategy, search
 from specmerge.tuning.space import Setting
-from specmerge_bench.accuracy.merge_store import Merger, MergeStore, stored_merge
+from specmerge_bench.accuracy.merge_store import Merger, seed_store, stored_merge, sweep_split
 from specmerge_bench.accuracy.merging import Candidate, MergedDeltas, StateDict, merge_candidates
 from specmerge_bench.accuracy.precision import PRECISIONS
 from specmerge_bench.accuracy.report import exact_mean, markdown, plots, summarize
@@ -43,7 +43,7 @@ from specmerge_bench.accuracy.rows import (
     method_rows,
     step_rows,
 )
-from specmerge_bench.accuracy.scores import ScoreCache, code_key
+from specmerge_bench.accuracy.scores import ScoreCache, code_key, score_paths
 
 if TYPE_CHECKING:
     from specmerge_bench.accuracy.adamerging import AdaMergingStage
@@ -107,8 +107,7 @@ def evaluate_seed(
 
     for rows in (method_rows(), step_rows()):
         needed = {c.key: c for c in missing_candidates(rows, cache, adamerging)}
-        wudi_steps = sorted({c.params["steps"] for c in needed.values() if c.method == "wudi"})  # one run, snapshots
-        todo = [c for c in needed.values() if c.method != "wudi"]
+        todo, wudi_steps = sweep_split(needed.values())  # WUDI: one run, snapshots
         start = time.perf_counter()
         deltas = merge(todo, wudi_steps, progress) if needed else MergedDeltas({}, {}, {})
         merged = [c.key for c in todo] + (["wudi_steps"] if wudi_steps else [])
@@ -283,8 +282,6 @@ def _run_benchmark(
     track: str,
     n_tasks: int,
 ) -> tuple[dict[str, Any], Path]:
-    import torch
-
     from specmerge_bench.accuracy import model as accuracy_model
     from specmerge_bench.accuracy import precision as accuracy_precision
     from specmerge_bench.accuracy.adamerging import AdaMergingStage
@@ -320,12 +317,8 @@ def _run_benchmark(
         else:
             experts = load_experts(built, seed, base)
             merge = functools.partial(full_merge, base, list(experts.values()))
-        capability = torch.backends.cpu.get_cpu_capability()
-        store = MergeStore(cache_dir / "merges" / experts_key / f"seed{seed}-{code_key(track)}-{capability}")
-        merge = stored_merge(merge, store)
-        named = f"seed{seed}-{code_key(track)}-{accuracy_precision.tag()}.json"
-        by_weights = cache_dir / "scores" / experts_key / f"seed{seed}-{accuracy_precision.tag()}-by-weights.json"
-        cache = ScoreCache(cache_dir / "scores" / experts_key / named, by_weights)
+        merge = stored_merge(merge, seed_store(cache_dir, experts_key, seed, track))
+        cache = ScoreCache(*score_paths(cache_dir, experts_key, seed, track))
         per_seed.append({"seed": seed, "track": track, **evaluate_seed(
             base, experts, score, cache, adamerging=stage, progress=progress, expert_scores=built["experts"][seed],
             merge=merge, log=lambda line, seed=seed: log(f"seed {seed}: {line}"))})  # fmt: skip

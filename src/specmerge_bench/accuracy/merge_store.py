@@ -17,13 +17,15 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from specmerge_bench.accuracy.merging import Candidate, MergedDeltas
+from specmerge_bench.accuracy.scores import code_key
 
 PARTS = ("method", "averaged")
 
@@ -74,6 +76,20 @@ class MergeStore:
         into.seconds[seconds_key] = meta["seconds"]
         if meta["routes"] is not None:
             into.routes[key] = meta["routes"]
+
+
+def seed_store(cache_dir: Path, experts_key: str, seed: int, track: str = "full") -> MergeStore:
+    """One seed's store under the merge code in use: ``merges/<experts key>/seed<k>-<code key>-<CPU capability>``."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return MergeStore(cache_dir / "merges" / experts_key / f"seed{seed}-{code_key(track)}-{capability}")
+
+
+def sweep_split(candidates: Iterable[Candidate]) -> tuple[list[Candidate], list[int]]:
+    """A :data:`Merger`'s (candidates, WUDI steps) for ``candidates``: every WUDI candidate comes from the one run
+    with snapshots, so it is named by its step count."""
+    candidates = list(candidates)
+    steps = sorted({c.params["steps"] for c in candidates if c.method == "wudi"})
+    return [c for c in candidates if c.method != "wudi"], steps
 
 
 Merger = Callable[[Sequence[Candidate], Sequence[int], bool], MergedDeltas]  # (candidates, WUDI steps, progress)

@@ -52,6 +52,15 @@ def code_key(track: str = "full") -> str:
     return digest.hexdigest()[:12]
 
 
+def score_paths(cache_dir: Path, experts_key: str, seed: int, track: str = "full") -> tuple[Path, Path]:
+    """One seed's score files in the precision in use: by setting (``scores/<experts key>/seed<k>-<code key>-<tag>
+    .json``) and by weights (``seed<k>-<tag>-by-weights.json``, shared by every code key)."""
+    from specmerge_bench.accuracy import precision
+
+    folder, tag = cache_dir / "scores" / experts_key, precision.tag()
+    return folder / f"seed{seed}-{code_key(track)}-{tag}.json", folder / f"seed{seed}-{tag}-by-weights.json"
+
+
 def weights_digest(state: StateDict) -> str:
     """A hash of a state dict: every tensor's name, dtype, shape and bytes, in name order."""
     digest = hashlib.blake2b(digest_size=16)
