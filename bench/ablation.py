@@ -7,9 +7,9 @@ generate``). Task arithmetic of the four experts (fp16 output, in this process, 
 is not counted): all optimisations on, then with one of them off, each through a public seam of specmerge:
 
 - ``plain reads``: pread into fresh buffers instead of zero-copy memory maps of each tensor's bytes (the
-  reader's documented fallback, taken when ``specmerge.io.safetensors_format.mapped`` fails);
-- ``fsync at the end only``: no background fdatasync while a shard is written (``specmerge.io.writer.SYNC_BYTES``,
-  the bytes between background syncs, set beyond any shard);
+  reader's documented fallback, taken when ``specmerge.io.formats.safetensors_format.mapped`` fails);
+- ``fsync at the end only``: no background fdatasync while a shard is written
+  (``specmerge.io.output.writer.SYNC_BYTES``, the bytes between background syncs, set beyond any shard);
 - ``no fsync``: ``fsync=False`` (``--no-fsync``), for reference.
 
 Variants are interleaved within each round; medians over ``--repeats`` rounds after one warm-up round.
@@ -36,10 +36,11 @@ from pathlib import Path
 
 import torch
 
-from specmerge.io import safetensors_format, writer
+from specmerge.io.formats import safetensors_format
+from specmerge.io.output import writer
 from specmerge.linalg.topk import top_k_count
 from specmerge.methods import get_method
-from specmerge.pipeline.api import merge
+from specmerge.pipeline.run.api import merge
 from specmerge_bench.inputs import Parser, model_family
 
 EXPERTS = [f"expert{i}" for i in range(4)]

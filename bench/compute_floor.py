@@ -190,7 +190,7 @@ def largest_change(merged: Path, reference: Path) -> tuple[float, str]:
 
 def route_accuracy(base: Path, experts: list[Path], name: str) -> None:
     """SWUDI-A on one tensor in float32 with the partial eigensolver and through eigh, each against float64."""
-    from specmerge.io.sources import open_source
+    from specmerge.io.formats.sources import open_source
 
     def read(folder: Path) -> torch.Tensor:
         with open_source(folder) as source:

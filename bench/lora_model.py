@@ -34,7 +34,7 @@ def generate(models: Path, adapters: int, rank: int) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from specmerge.io.sources import open_source
+    from specmerge.io.formats.sources import open_source
 
     with open_source(models / "base") as base:
         layers = {n: i.shape for n, i in base.infos().items() if n.rsplit(".", 2)[-2] in TARGETS}
@@ -62,7 +62,7 @@ def adapters_of(models: Path) -> list[Path]:
 def measure_merge(models: Path, out: Path, method: str, output_format: str) -> dict:
     import torch
 
-    from specmerge.pipeline.api import merge
+    from specmerge.pipeline.run.api import merge
 
     torch.ones(8) @ torch.ones(8)
     start = time.perf_counter()
@@ -78,9 +78,9 @@ def measure_layers(models: Path, method: str) -> dict:
     """Factored vs densified method calls on every adapted layer; compute only (factors read beforehand)."""
     import torch
 
-    from specmerge.io.experts import AdapterExpert
-    from specmerge.io.peft import open_adapter
-    from specmerge.io.sources import open_source
+    from specmerge.io.formats.peft import open_adapter
+    from specmerge.io.formats.sources import open_source
+    from specmerge.io.views.experts import AdapterExpert
     from specmerge.methods import get_method
 
     torch.ones(8) @ torch.ones(8)

@@ -41,8 +41,8 @@ def generate(models: Path, experts: int) -> None:
     """Write MODELS/base and MODELS/expert0..<experts-1> (TinyLlama-1.1B shapes, fp16, 1 GB shards)."""
     import torch
 
-    from specmerge.io.protocol import TensorInfo
-    from specmerge.io.writer import ShardWriter
+    from specmerge.io.formats.protocol import TensorInfo
+    from specmerge.io.output.writer import ShardWriter
 
     config, shapes = llama_shapes(MODEL)
     infos = [TensorInfo(name, shape, torch.float16) for name, shape in shapes.items()]
@@ -76,7 +76,7 @@ def generate(models: Path, experts: int) -> None:
 def measure_merge(models: Path, out: Path, method: str) -> dict:
     import torch
 
-    from specmerge.pipeline.api import merge
+    from specmerge.pipeline.run.api import merge
 
     torch.ones(8) @ torch.ones(8)  # thread pools and allocator up before the baseline
     experts = sorted(p for p in models.iterdir() if p.name.startswith("expert"))
@@ -115,7 +115,7 @@ def workspace_bytes(models: Path) -> tuple[str, int]:
     delta), and 4 d_in^2 float32 for C, its eigenvectors and eigh's work arrays. Averaged tensors
     (embeddings, lm_head) are processed in 64 MiB row blocks and stay below this.
     """
-    from specmerge.io.sources import open_source
+    from specmerge.io.formats.sources import open_source
 
     n = sum(1 for p in models.iterdir() if p.name.startswith("expert"))
     best = ("", 0)

@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from specmerge.errors import SpecmergeError
-from specmerge.io.peft import is_adapter, open_adapter
+from specmerge.io.formats.peft import is_adapter, open_adapter
 from specmerge_bench.accuracy.merging import Candidate
 from specmerge_bench.accuracy.rows import WUDI_STEPS
 from specmerge_bench.inputs import Parser

@@ -52,7 +52,7 @@ def _inputs(models: Path) -> tuple[Path, list[Path]]:
 
 def one(args: argparse.Namespace) -> dict:
     """One configuration, in this process."""
-    from specmerge.pipeline.api import merge
+    from specmerge.pipeline.run.api import merge
 
     base, experts = _inputs(args.models)
     out = args.work / args.run
@@ -66,7 +66,7 @@ def one(args: argparse.Namespace) -> dict:
     else:
         import ray
 
-        from specmerge.pipeline.ray_executor import RayExecutor
+        from specmerge.pipeline.run.ray_executor import RayExecutor
 
         start = time.perf_counter()
         ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
@@ -92,11 +92,11 @@ def _task_overhead(ray, base: Path, experts: list[Path], args: argparse.Namespac
     """Milliseconds per empty task through the executor's task function, the merge's job open in the workers."""
     from contextlib import ExitStack
 
-    from specmerge.io.output import atomic_directory
-    from specmerge.pipeline.api import merge_recipe, shard_writer
-    from specmerge.pipeline.jobs import ComputeOptions, ModelJob
-    from specmerge.pipeline.prepare import prepare_merge
-    from specmerge.pipeline.ray_executor import run_task
+    from specmerge.io.output.folder import atomic_directory
+    from specmerge.pipeline.plan.prepare import prepare_merge
+    from specmerge.pipeline.run.api import merge_recipe, shard_writer
+    from specmerge.pipeline.run.jobs import ComputeOptions, ModelJob
+    from specmerge.pipeline.run.ray_executor import run_task
 
     recipe = merge_recipe(base, experts, method=args.method)
     try:

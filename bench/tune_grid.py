@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from specmerge.io.protocol import TensorInfo
-from specmerge.io.sources import open_source
-from specmerge.io.writer import ShardWriter
-from specmerge.pipeline.api import merge_recipe
+from specmerge.io.formats.protocol import TensorInfo
+from specmerge.io.formats.sources import open_source
+from specmerge.io.output.writer import ShardWriter
+from specmerge.pipeline.run.api import merge_recipe
 from specmerge.tuning.batch import run_settings
 from specmerge.tuning.cache_build import cached_layers
 from specmerge.tuning.space import PAPER_GRIDS

@@ -68,8 +68,8 @@ def generate(models: Path, experts: int = EXPERTS) -> None:
     """Write base/ and expert0..N-1/ under ``models`` (skipped for folders that are already complete)."""
     import torch
 
-    from specmerge.io.protocol import TensorInfo
-    from specmerge.io.writer import ShardWriter
+    from specmerge.io.formats.protocol import TensorInfo
+    from specmerge.io.output.writer import ShardWriter
 
     config, shapes = llama_shapes(MODEL)
     infos = [TensorInfo(name, shape, torch.float16) for name, shape in shapes.items()]

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from specmerge import all_methods, get_method
-from specmerge.pipeline.api import merge
+from specmerge.pipeline.run.api import merge
 from specmerge_bench.accuracy.merging import Candidate, merge_candidates, wudi_snapshots
 from tiny_models import build_family
 

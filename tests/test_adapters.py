@@ -8,8 +8,8 @@ import torch
 import transformers
 
 from specmerge import get_method
-from specmerge.io.peft import AdapterError, is_adapter, open_adapter
-from specmerge.io.sources import open_source
+from specmerge.io.formats.peft import AdapterError, is_adapter, open_adapter
+from specmerge.io.formats.sources import open_source
 
 
 def tiny_llama(seed=0, hidden=32):
@@ -102,7 +102,7 @@ def test_factored_merge_of_adapters_equals_dense_merge_of_merged_models(tmp_path
 
 
 def _info(name, tensor):
-    from specmerge.io.protocol import TensorInfo
+    from specmerge.io.formats.protocol import TensorInfo
 
     return TensorInfo(name, tuple(tensor.shape), tensor.dtype)
 

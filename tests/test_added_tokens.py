@@ -20,13 +20,13 @@ import transformers
 
 from specmerge.cli import main
 from specmerge.errors import RecipeError, SpecmergeError
-from specmerge.io.model_files import config_files, copy_config_files, tokenizer_files, write_output_config
-from specmerge.io.protocol import TensorInfo
-from specmerge.io.sources import open_source
-from specmerge.io.vocab import align_vocabulary, vocabulary_tensors
-from specmerge.io.vocab_views import runs
-from specmerge.pipeline.api import merge
-from specmerge.pipeline.recipe import Recipe
+from specmerge.io.formats.protocol import TensorInfo
+from specmerge.io.formats.sources import open_source
+from specmerge.io.output.model_files import config_files, copy_config_files, tokenizer_files, write_output_config
+from specmerge.io.views.vocab import align_vocabulary, vocabulary_tensors
+from specmerge.io.views.vocab_views import runs
+from specmerge.pipeline.recipe.model import Recipe
+from specmerge.pipeline.run.api import merge
 from token_models import ADDED, KEYS, build, padded_family, vocabulary, weights
 
 EPS = torch.finfo(torch.float32).eps
@@ -311,7 +311,7 @@ class CountingSource:
 
 
 def test_views_read_row_blocks_as_runs_never_whole_tensors(family):
-    from specmerge.io.experts import CheckpointExpert
+    from specmerge.io.views.experts import CheckpointExpert
 
     base, experts = family
     with open_source(base) as b, open_source(experts[0]) as t, open_source(experts[1]) as m:
@@ -392,7 +392,7 @@ def test_config_states_the_vocabulary_rows(tmp_path):
 
 
 def test_schema_and_help_offer_tokenizer_source(capsys):
-    from specmerge.pipeline.schema import recipe_schema
+    from specmerge.pipeline.recipe.schema import recipe_schema
 
     field = recipe_schema()["properties"]["tokenizer_source"]
     assert field["default"] == "union" and "union" in field["description"]

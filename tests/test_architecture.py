@@ -241,7 +241,7 @@ def test_no_module_over_400_lines(package):
 # - the signatures of wudi / optmerge (methods/wudi.py) and the register_variant declarations (sparse.py,
 #   wudi.py): each method's own parameter list and defaults, declared once per method;
 # - the two make_filter closures of swudi / swudi_a (methods/spectral.py): four lines each, different rules;
-# - ModelJob / AdapterJob.compute (pipeline/jobs.py): the same try/except shape around two different computes;
+# - ModelJob / AdapterJob.compute (pipeline/run/jobs.py): the same try/except shape around two different computes;
 # - transformers config literals (demo.py, bench/memory.py, bench/under_load.py, tests): different model sizes.
 WINDOW = 6
 KEPT_DUPLICATES: dict[frozenset[str], str] = {}

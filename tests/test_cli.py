@@ -18,9 +18,9 @@ from specmerge.cli import build_parser, main
 from specmerge.cli.commands import NOT_ON_COMMAND_LINE, PATHS
 from specmerge.diagnostics.options import InspectOptions
 from specmerge.errors import RecipeError
-from specmerge.pipeline import api
-from specmerge.pipeline.recipe import Override, Recipe
-from specmerge.pipeline.values import option_flag, parse_pairs, parse_value
+from specmerge.pipeline.recipe.model import Override, Recipe
+from specmerge.pipeline.recipe.values import option_flag, parse_pairs, parse_value
+from specmerge.pipeline.run import api
 
 # Recipe fields `specmerge merge` deliberately does not offer, and why.
 NOT_EXPOSED: dict[str, str] = {}  # every recipe key has a flag (issue 16)

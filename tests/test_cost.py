@@ -1,4 +1,5 @@
-"""The cost model (specmerge.pipeline.cost, .calibrate, specmerge.methods.operations) and the progress bar it drives.
+"""The cost model (specmerge.pipeline.estimate.cost, .calibrate, specmerge.methods.operations) and the progress
+bar it drives.
 
 No timing is asserted (the machines are shared): rates are given (``ComputeRates.given``) wherever a number is
 compared, and the counts are checked against the code paths they describe (which decomposition ``decompose``
@@ -14,20 +15,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from specmerge.io.sources import open_source
+from specmerge.io.formats.sources import open_source
 from specmerge.linalg.quadratic import normal_equation
 from specmerge.linalg.spectrum import decompose
 from specmerge.methods import all_methods, get_method
 from specmerge.methods.operations import Operations, decompose_ops, normal_equation_ops, passes
 from specmerge.methods.registry import LayerResult, register, registrations
-from specmerge.pipeline import executor as executor_module
-from specmerge.pipeline import jobs as jobs_module
-from specmerge.pipeline.calibrate import ComputeRates, InputReads, input_reads, resident_pages
-from specmerge.pipeline.cost import BASE, UNDECLARED, ItemCost, item_costs, peak_memory, price, route_operations
-from specmerge.pipeline.executor import StreamingExecutor
-from specmerge.pipeline.jobs import ComputeOptions, ModelJob
-from specmerge.pipeline.plan import TensorPlan
-from specmerge.pipeline.work import WorkItem, work_items
+from specmerge.pipeline.estimate.calibrate import ComputeRates, InputReads, input_reads, resident_pages
+from specmerge.pipeline.estimate.cost import (
+    BASE,
+    UNDECLARED,
+    ItemCost,
+    item_costs,
+    peak_memory,
+    price,
+    route_operations,
+)
+from specmerge.pipeline.plan.rules import TensorPlan
+from specmerge.pipeline.run import executor as executor_module
+from specmerge.pipeline.run import jobs as jobs_module
+from specmerge.pipeline.run.executor import StreamingExecutor
+from specmerge.pipeline.run.jobs import ComputeOptions, ModelJob
+from specmerge.pipeline.run.work import WorkItem, work_items
 from tiny_models import build_family
 
 RATES = dict(matmul=1e11, qr=5e10, svd=2e-10, memory=1e10, fresh=4e9, linear=5e9, select=5e8, random=5e8)
@@ -111,7 +120,7 @@ def reads(resident: float = 1.0) -> InputReads:
 
 
 def open_inputs(base: Path, experts: list[Path]):
-    from specmerge.io.experts import CheckpointExpert
+    from specmerge.io.views.experts import CheckpointExpert
 
     source = open_source(base)
     return source, {key: CheckpointExpert(open_source(e)) for key, e in zip(["e0", "e1", "e2"], experts, strict=True)}

@@ -18,9 +18,9 @@ import torch
 from safetensors import safe_open
 
 from specmerge.cli import main
-from specmerge.pipeline.api import merge, merge_recipe
-from specmerge.pipeline.dryrun import dry_run, format_estimate
-from specmerge.pipeline.recipe import Recipe
+from specmerge.pipeline.estimate.dryrun import dry_run, format_estimate
+from specmerge.pipeline.recipe.model import Recipe
+from specmerge.pipeline.run.api import merge, merge_recipe
 from tiny_models import build_family, save_adapter
 
 KEYS = ["e0", "e1", "e2"]

@@ -1,4 +1,4 @@
-"""A second executor written against the interface only (specmerge.pipeline.work), producing the same files.
+"""A second executor written against the interface only (specmerge.pipeline.run.work), producing the same files.
 
 The test executors below know nothing of the streaming executor's internals: they take a job's work items,
 call ``job.read``, ``job.compute`` and ``job.deliver`` for each, and add the results to a
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from specmerge.pipeline import work
-from specmerge.pipeline.api import merge
-from specmerge.pipeline.work import Job, ReportAccumulator, TensorReport
+from specmerge.pipeline.run import work
+from specmerge.pipeline.run.api import merge
+from specmerge.pipeline.run.work import Job, ReportAccumulator, TensorReport
 from tiny_models import build_family, save_adapter
 
 KEYS = ["e0", "e1", "e2"]

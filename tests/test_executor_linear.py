@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from specmerge.io.task_vectors import Dense, Zero
+from specmerge.io.views.task_vectors import Dense, Zero
 from specmerge.methods import get_method
-from specmerge.pipeline import compute
-from specmerge.pipeline.plan import TensorPlan
+from specmerge.pipeline.plan.rules import TensorPlan
+from specmerge.pipeline.run import compute
 
 
 def plan(action, method, params, shape, out_dtype):

@@ -18,8 +18,8 @@ from specmerge import LayerResult, get_method, register
 from specmerge.cli import main
 from specmerge.methods import Setting, all_methods, candidate_settings, registry
 from specmerge.methods.params import UnitInterval
-from specmerge.pipeline.recipe import Recipe, RecipeError
-from specmerge.pipeline.schema import recipe_schema
+from specmerge.pipeline.recipe.model import Recipe, RecipeError
+from specmerge.pipeline.recipe.schema import recipe_schema
 from tiny_models import build_family
 
 NAME = "magnitude_band_test"

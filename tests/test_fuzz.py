@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from specmerge.errors import SpecmergeError
-from specmerge.io.peft import open_adapter
-from specmerge.io.sources import open_source
-from specmerge.pipeline.recipe import Recipe, load_recipe
+from specmerge.io.formats.peft import open_adapter
+from specmerge.io.formats.sources import open_source
+from specmerge.pipeline.recipe.model import Recipe, load_recipe
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -295,7 +295,7 @@ def test_command_line_values(flags) -> None:
     import io
 
     from specmerge.cli import main
-    from specmerge.pipeline import api
+    from specmerge.pipeline.run import api
 
     seen = []
     argv = ["merge", "base", "expert", "-o", "out", *(f"{flag}={value}" for flag, value in flags)]

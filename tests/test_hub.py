@@ -26,9 +26,9 @@ from hub_cache import add_commit, folder_files, git_blob_sha1, repo_folder, snap
 from hub_server import FakeHub
 from specmerge import merge
 from specmerge.cli import main
-from specmerge.io.hub import HubError, announce_inputs, hub_cache, hub_offline, parse_hub_id, resolve_input
-from specmerge.io.hub_snapshot import needed_files
-from specmerge.io.sources import open_source
+from specmerge.io.formats.sources import open_source
+from specmerge.io.hub.ids import HubError, announce_inputs, hub_cache, hub_offline, parse_hub_id, resolve_input
+from specmerge.io.hub.snapshot import needed_files
 from tiny_models import build_family
 
 
@@ -220,7 +220,7 @@ def test_a_local_folder_named_like_the_id_wins_and_the_line_says_so(family, offl
 
 
 def test_a_recipe_keeps_an_id_unless_its_folder_holds_that_name(offline, tmp_path):
-    from specmerge.pipeline.recipe import load_recipe
+    from specmerge.pipeline.recipe.model import load_recipe
 
     folder = tmp_path / "recipes"
     folder.mkdir()
@@ -235,7 +235,7 @@ def test_a_recipe_run_from_its_parent_folder_says_nothing_of_ids_for_dotted_path
     offline, tmp_path, monkeypatch, caplog
 ):
     """``./org/code`` in a recipe read as ``r.yaml`` from its own folder is a path, never an id: no notice."""
-    from specmerge.pipeline.recipe import load_recipe
+    from specmerge.pipeline.recipe.model import load_recipe
 
     (tmp_path / "org" / "code").mkdir(parents=True)
     (tmp_path / "r.yaml").write_text("base: ./org/code\nexperts: [org/code]\n")

@@ -16,20 +16,20 @@ import transformers
 from safetensors.torch import load_file
 
 from specmerge.diagnostics.run import inspect_model
-from specmerge.io.layout import (
+from specmerge.io.formats.layout import (
     CONV1D_LAYOUT,
     LayoutError,
     conv1d_modules,
     stored_in_out,
     transposed_weights,
 )
-from specmerge.io.protocol import TensorInfo
-from specmerge.io.task_vectors import LowRank
+from specmerge.io.formats.protocol import TensorInfo
+from specmerge.io.views.task_vectors import LowRank
 from specmerge.linalg.lowrank import LoraDelta
 from specmerge.methods import get_method
-from specmerge.pipeline.api import merge
-from specmerge.pipeline.compute import merged_delta
-from specmerge.pipeline.plan import TensorPlan
+from specmerge.pipeline.plan.rules import TensorPlan
+from specmerge.pipeline.run.api import merge
+from specmerge.pipeline.run.compute import merged_delta
 from tiny_models import llama_config, save_adapter
 
 EPS = torch.finfo(torch.float64).eps

@@ -11,7 +11,7 @@ import transformers
 from safetensors.torch import load_file
 
 from specmerge.cli import main
-from specmerge.pipeline.api import merge
+from specmerge.pipeline.run.api import merge
 from tiny_models import build_family, llama_config, save_adapter
 
 KEYS = ["a0", "a1", "a2"]

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 import specmerge
 from specmerge.errors import RecipeError, SpecmergeError
-from specmerge.io.memory import MemorySource
-from specmerge.io.protocol import SourceError
+from specmerge.io.formats.protocol import SourceError
+from specmerge.io.views.memory import MemorySource
 from tiny_models import build_family, llama_config, random_lora
 
 OVERRIDES = [{"pattern": "*.mlp.*", "action": "average"}, {"pattern": "model.layers.0.*", "action": "keep_base"}]

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from specmerge import all_methods, get_method
 from specmerge.cli import main
-from specmerge.pipeline.api import merge
+from specmerge.pipeline.run.api import merge
 from tiny_models import ARCHITECTURES, build_family, dummy_inputs
 
 KEYS = ["math", "code", "chat"]
@@ -156,7 +156,7 @@ def test_output_may_not_overwrite_an_input(families, capsys):
 @pytest.mark.parametrize("method", ["swudi_a", "task_arithmetic", "ties"])
 def test_row_blocks_give_the_same_merge(families, tmp_path, monkeypatch, method):
     """Row-wise work (averages, TA) in blocks of a few rows equals the whole-tensor merge, byte for byte."""
-    import specmerge.pipeline.work as work
+    import specmerge.pipeline.run.work as work
 
     base_dir, expert_dirs = families["llama"]
     whole = tmp_path / "whole"
@@ -174,13 +174,13 @@ def test_row_blocks_give_the_same_merge(families, tmp_path, monkeypatch, method)
 
 
 def _entry(action, shape):
-    from specmerge.pipeline.plan import TensorPlan
+    from specmerge.pipeline.plan.rules import TensorPlan
 
     return TensorPlan("x", shape, torch.float32, action, None, {}, "test")
 
 
 def test_sources_read_row_blocks(families):
-    from specmerge.io.sources import open_source
+    from specmerge.io.formats.sources import open_source
 
     base_dir, _ = families["bert"]
     with open_source(base_dir) as source:
@@ -210,7 +210,7 @@ def test_tied_weights_stay_tied(tmp_path):
 
 
 def test_device_resolution():
-    from specmerge.pipeline.compute import resolve_device
+    from specmerge.pipeline.run.compute import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")

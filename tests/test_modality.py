@@ -17,11 +17,11 @@ import transformers
 import specmerge
 from multimodal_models import IMAGE_TOKEN, build_llava_set
 from specmerge.errors import NonFiniteError, RecipeError, SpecmergeError
-from specmerge.io.aligned import OwnModulesSource, OwnTensor
-from specmerge.io.experts import CheckpointExpert
-from specmerge.io.protocol import TensorInfo
-from specmerge.io.sources import open_source
-from specmerge.pipeline.plan import PlanError
+from specmerge.io.formats.protocol import TensorInfo
+from specmerge.io.formats.sources import open_source
+from specmerge.io.views.aligned import OwnModulesSource, OwnTensor
+from specmerge.io.views.experts import CheckpointExpert
+from specmerge.pipeline.plan.rules import PlanError
 from tiny_models import save_adapter
 
 OWN_PREFIXES = ("vision_tower.", "multi_modal_projector.")

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from specmerge import merge
 from specmerge.cli import main
-from specmerge.io.readme import read_license
+from specmerge.io.output.readme import read_license
 from tiny_models import build_family, save_adapter
 
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from specmerge.cli import main
 from specmerge.errors import RecipeError
 from specmerge.methods import get_method
-from specmerge.pipeline.recipe import Recipe, load_recipe
+from specmerge.pipeline.recipe.model import Recipe, load_recipe
 from specmerge.version import __version__
 from tiny_models import build_family
 
@@ -77,7 +77,7 @@ def test_version(capsys):
 
 def test_overrides_on_the_command_line(tmp_path, capsys):
     """``--override PATTERN=RULE``: keep_base, average, merge (the recipe's method) or a method with parameters."""
-    from specmerge.pipeline.values import parse_override
+    from specmerge.pipeline.recipe.values import parse_override
 
     assert parse_override("*.mlp.*=keep_base") == {"pattern": "*.mlp.*", "action": "keep_base"}
     assert parse_override("*=merge:scale=0.5") == {"pattern": "*", "action": "merge", "params": {"scale": 0.5}}

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from specmerge.methods import get_method
-from specmerge.pipeline.plan import PlanError, default_action, is_embedding, make_plan, summarize
-from specmerge.pipeline.recipe import Recipe
+from specmerge.pipeline.plan.rules import PlanError, default_action, is_embedding, make_plan, summarize
+from specmerge.pipeline.recipe.model import Recipe
 
 F32, BF16, I64 = torch.float32, torch.bfloat16, torch.int64
 

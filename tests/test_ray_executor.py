@@ -17,13 +17,13 @@ import torch
 from specmerge.demo import build_experts
 from specmerge.errors import NonFiniteError, RecipeError
 from specmerge.methods import all_methods, get_method
-from specmerge.pipeline import api
-from specmerge.pipeline.recipe import Recipe
+from specmerge.pipeline.recipe.model import Recipe
+from specmerge.pipeline.run import api
 from test_executor_interface import assert_same_outputs
 from tiny_models import poisoned_copy, save_adapter
 
 ray = pytest.importorskip("ray")
-from specmerge.pipeline.ray_executor import RayExecutor, task_groups  # noqa: E402
+from specmerge.pipeline.run.ray_executor import RayExecutor, task_groups  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 QUICK = {"wudi": {"steps": 3}, "wudi_reference": {"steps": 3}, "optmerge": {"steps": 3}, "optmerge_lora": {"steps": 3}}
@@ -93,7 +93,7 @@ def test_a_worker_killed_mid_merge_is_survived_by_retry(cluster, demo, tmp_path)
 
 def test_a_worker_lost_at_every_try_ends_the_merge_in_one_line(cluster, demo, tmp_path):
     from ray_faults import DieOnce
-    from specmerge.pipeline.ray_executor import WorkerLost
+    from specmerge.pipeline.run.ray_executor import WorkerLost
 
     class AlwaysDying(RayExecutor):
         def worker_spec(self, job):
@@ -125,8 +125,8 @@ def test_a_data_error_ends_the_merge_with_the_one_line_error_and_leaves_nothing(
 def test_tasks_group_small_items_and_keep_spectral_tensors_alone(demo):
     from contextlib import ExitStack
 
-    from specmerge.pipeline.prepare import prepare_merge
-    from specmerge.pipeline.work import work_items
+    from specmerge.pipeline.plan.prepare import prepare_merge
+    from specmerge.pipeline.run.work import work_items
 
     base, experts = demo
     with ExitStack() as stack:
@@ -157,7 +157,7 @@ def test_the_recipe_names_the_executor_and_the_written_recipe_does_not(cluster, 
 def test_without_ray_installed_the_error_is_one_line(demo, monkeypatch):
     import importlib.util
 
-    from specmerge.pipeline import ray_executor
+    from specmerge.pipeline.run import ray_executor
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
@@ -166,7 +166,7 @@ def test_without_ray_installed_the_error_is_one_line(demo, monkeypatch):
 
 
 def test_an_in_memory_merge_refuses_ray_in_one_line():
-    from specmerge.pipeline.memory import merge_state_dicts
+    from specmerge.pipeline.run.memory import merge_state_dicts
 
     base = {"w": torch.zeros(3, 2)}
     experts = [{"w": torch.ones(3, 2)}, {"w": -torch.ones(3, 2)}]
@@ -182,9 +182,9 @@ def test_tasks_ask_for_a_gpu_only_when_the_merge_computes_on_cuda_and_the_cluste
     from contextlib import ExitStack
     from types import SimpleNamespace
 
-    from specmerge.pipeline.prepare import prepare_merge
-    from specmerge.pipeline.ray_executor import GPU_SHARE, gpus_per_task
-    from specmerge.pipeline.work import work_items
+    from specmerge.pipeline.plan.prepare import prepare_merge
+    from specmerge.pipeline.run.ray_executor import GPU_SHARE, gpus_per_task
+    from specmerge.pipeline.run.work import work_items
 
     base, experts = demo
     with ExitStack() as stack:

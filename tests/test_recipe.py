@@ -5,7 +5,7 @@ import os
 import pytest
 import yaml
 
-from specmerge.pipeline.recipe import Recipe, RecipeError, default_expert_keys, load_recipe, parse_size
+from specmerge.pipeline.recipe.model import Recipe, RecipeError, default_expert_keys, load_recipe, parse_size
 
 
 def recipe(**fields):

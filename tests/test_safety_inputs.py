@@ -20,12 +20,12 @@ from safetensors.torch import load_file, save_file
 
 from specmerge.cli import main
 from specmerge.errors import RecipeError, SpecmergeError
-from specmerge.io.model_files import copy_model_files
-from specmerge.io.peft import open_adapter
-from specmerge.io.protocol import SourceError
-from specmerge.io.sources import open_source
-from specmerge.pipeline.api import merge
-from specmerge.pipeline.inputs import refuse_output_inside_inputs
+from specmerge.io.formats.peft import open_adapter
+from specmerge.io.formats.protocol import SourceError
+from specmerge.io.formats.sources import open_source
+from specmerge.io.output.model_files import copy_model_files
+from specmerge.pipeline.inputs.open import refuse_output_inside_inputs
+from specmerge.pipeline.run.api import merge
 
 FAST = {"method": "task_arithmetic", "progress": False, "fsync": False}
 
@@ -463,7 +463,7 @@ def test_permission_denied_is_not_reported_as_missing_or_corrupt(shared_dir, wha
 def test_safetensors_truncated_while_reading_names_file_and_tensor(tmp_path, monkeypatch, route):
     import mmap
 
-    import specmerge.io.safetensors_format as safetensors_format
+    import specmerge.io.formats.safetensors_format as safetensors_format
 
     path = tmp_path / "w.safetensors"
     save_file({"a": torch.ones(8), "big": torch.ones(64 * 1024)}, path)
@@ -511,8 +511,8 @@ def test_pytorch_checkpoint_truncated_while_reading_is_named_not_a_crash(tmp_pat
     torch.save({"big": torch.ones(256 * 1024)}, path)
     code = (
         "import os, sys\n"
-        "from specmerge.io.protocol import SourceError\n"
-        "from specmerge.io.sources import open_source\n"
+        "from specmerge.io.formats.protocol import SourceError\n"
+        "from specmerge.io.formats.sources import open_source\n"
         f"source = open_source({str(path)!r}); source.infos()\n"
         f"os.truncate({str(path)!r}, 4096)\n"
         "try:\n    float(source.load('big').sum())\n"

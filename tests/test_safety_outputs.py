@@ -19,12 +19,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from specmerge.cli import main
-from specmerge.io.model_files import write_output_config
-from specmerge.io.output import OUTPUT_MARKER, OutputError, atomic_directory, check_output, foreign_entries
-from specmerge.io.protocol import TensorInfo
-from specmerge.io.work_folders import WORK_INFIX, remove_stale_work_folders, this_process
-from specmerge.io.writer import ShardWriter
-from specmerge.pipeline.api import merge
+from specmerge.io.formats.protocol import TensorInfo
+from specmerge.io.output.folder import OUTPUT_MARKER, OutputError, atomic_directory, check_output, foreign_entries
+from specmerge.io.output.model_files import write_output_config
+from specmerge.io.output.work_folders import WORK_INFIX, remove_stale_work_folders, this_process
+from specmerge.io.output.writer import ShardWriter
+from specmerge.pipeline.run.api import merge
 from tiny_models import build_family
 
 SHAPES = {f"blocks.{i}.proj.weight": (8, 6) for i in range(4)}
@@ -129,7 +129,7 @@ def test_overwrite_refuses_a_file_or_a_link(tmp_path):
 
 @pytest.mark.parametrize("where", ["cwd", "parent_of_cwd", "home"])
 def test_current_parent_and_home_folders_are_refused_before_any_work(tmp_path, monkeypatch, capsys, where):
-    from specmerge.pipeline.executor import StreamingExecutor
+    from specmerge.pipeline.run.executor import StreamingExecutor
 
     base, experts = family(tmp_path)
     out = tmp_path / "out"

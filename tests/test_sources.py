@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specmerge.io.protocol import SourceError, TensorInfo, TensorSource
-from specmerge.io.sources import open_source
+from specmerge.io.formats.protocol import SourceError, TensorInfo, TensorSource
+from specmerge.io.formats.sources import open_source
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -182,7 +182,7 @@ def test_safetensors_loads_are_private_maps_released_when_freed(tmp_path):
 
 
 def test_safetensors_reads_fall_back_to_pread_without_memory_maps(tmp_path, monkeypatch):
-    import specmerge.io.safetensors_format as safetensors_format
+    import specmerge.io.formats.safetensors_format as safetensors_format
 
     def no_maps(*args):
         raise OSError("no memory maps here")

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from specmerge.linalg.solve import FreshLayer, ProjectionMissing
 from specmerge.methods import get_method
-from specmerge.pipeline.api import merge_recipe, run_recipe
+from specmerge.pipeline.run.api import merge_recipe, run_recipe
 from specmerge.tuning.cache_build import cached_layers
 from specmerge.tuning.space import PAPER_GRIDS, PAPER_SCALES
 from specmerge.tuning.spectral_cache import SpectralCache, entry_files

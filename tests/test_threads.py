@@ -12,10 +12,17 @@ import specmerge.diagnostics.run
 from specmerge.cli import main
 from specmerge.diagnostics.run import inspect_model
 from specmerge.errors import RecipeError
-from specmerge.pipeline import threads
-from specmerge.pipeline.api import merge
-from specmerge.pipeline.executor import StreamingExecutor
-from specmerge.pipeline.threads import CpuState, busy_cpus, cgroup_quota, choose_threads, default_threads, merge_threads
+from specmerge.pipeline.run import threads
+from specmerge.pipeline.run.api import merge
+from specmerge.pipeline.run.executor import StreamingExecutor
+from specmerge.pipeline.run.threads import (
+    CpuState,
+    busy_cpus,
+    cgroup_quota,
+    choose_threads,
+    default_threads,
+    merge_threads,
+)
 from tiny_models import build_family
 
 NO_THREAD_VARIABLES = {"PATH": "/usr/bin"}

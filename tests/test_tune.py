@@ -240,7 +240,7 @@ def test_a_python_evaluation_must_give_a_number():
 
 
 def test_settings_merged_in_one_pass_are_the_models_of_separate_merges(tmp_path, family):
-    from specmerge.pipeline.api import merge_recipe, run_recipe
+    from specmerge.pipeline.run.api import merge_recipe, run_recipe
     from specmerge.tuning.batch import NotBatchable, run_settings
     from specmerge.tuning.cache_build import cached_layers
 

@@ -21,17 +21,17 @@ from specmerge.cli import main
 from specmerge.diagnostics.options import InspectOptions
 from specmerge.diagnostics.run import inspect_model
 from specmerge.errors import NonFiniteError, SpecmergeError
-from specmerge.io import experts as experts_module
-from specmerge.io.peft import AdapterConfigWarning, AdapterError, open_adapter
-from specmerge.io.protocol import TensorInfo
-from specmerge.io.task_vectors import Dense, LowRank
+from specmerge.io.formats.peft import AdapterConfigWarning, AdapterError, open_adapter
+from specmerge.io.formats.protocol import TensorInfo
+from specmerge.io.views import experts as experts_module
+from specmerge.io.views.task_vectors import Dense, LowRank
 from specmerge.linalg.lowrank import LoraDelta
 from specmerge.methods import all_methods, get_method
-from specmerge.pipeline import api, work
-from specmerge.pipeline.compute import merged_delta
-from specmerge.pipeline.finite import NonFiniteInput
-from specmerge.pipeline.plan import PlanError, TensorPlan, make_plan
-from specmerge.pipeline.recipe import Recipe, RecipeError, load_recipe
+from specmerge.pipeline.plan.rules import PlanError, TensorPlan, make_plan
+from specmerge.pipeline.recipe.model import Recipe, RecipeError, load_recipe
+from specmerge.pipeline.run import api, work
+from specmerge.pipeline.run.compute import merged_delta
+from specmerge.pipeline.run.finite import NonFiniteInput
 
 WEIGHT = "model.layers.0.self_attn.q_proj.weight"
 NORM = "model.layers.0.input_layernorm.weight"

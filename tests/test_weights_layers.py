@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from specmerge.cli import main
 from specmerge.errors import RecipeError
-from specmerge.pipeline.layered import at_position, interpolate, layer_positions
-from specmerge.pipeline.recipe import Recipe, load_recipe
+from specmerge.pipeline.recipe.layered import at_position, interpolate, layer_positions
+from specmerge.pipeline.recipe.model import Recipe, load_recipe
 
 LAYERS = 3
 NAMES = [f"model.layers.{i}.mlp.weight" for i in range(LAYERS)] + ["model.embed_tokens.weight", "model.norm.weight"]
@@ -166,7 +166,7 @@ def test_weights_summing_to_zero_refuse_averaged_tensors_in_the_plan(tmp_path, c
 def test_the_json_schema_takes_expert_entries_and_lists_of_float_values():
     import jsonschema
 
-    from specmerge.pipeline.schema import recipe_schema
+    from specmerge.pipeline.recipe.schema import recipe_schema
 
     schema = recipe_schema()
     good = {"base": "b", "experts": [{"path": "x", "weight": 0.7}, "y"], "method": "ties",

@@ -2,7 +2,7 @@
 
 End to end on models built with transformers (a ``BertModel`` base with ``BertForSequenceClassification``
 experts; a ``LlamaForCausalLM`` base with ``LlamaForSequenceClassification`` and ``LlamaModel`` experts), and
-the name matcher (:func:`specmerge.io.name_map.find_name_map`) on name lists of the usual wrappers.
+the name matcher (:func:`specmerge.io.views.name_map.find_name_map`) on name lists of the usual wrappers.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import transformers
 import specmerge
 from multimodal_models import build_bert_set, perturbed
 from specmerge.errors import SpecmergeError
-from specmerge.io.name_map import NameMapError, find_name_map
-from specmerge.io.peft import AdapterError
-from specmerge.io.sources import open_source
+from specmerge.io.formats.peft import AdapterError
+from specmerge.io.formats.sources import open_source
+from specmerge.io.views.name_map import NameMapError, find_name_map
 from tiny_models import llama_config, save_adapter
 
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specmerge.io.formats import safetensors_dtype
-from specmerge.io.model_files import copy_model_files
-from specmerge.io.output import OutputExistsError, atomic_directory
-from specmerge.io.protocol import TensorInfo
-from specmerge.io.sources import open_source
-from specmerge.io.writer import ShardWriter
+from specmerge.io.formats.names import safetensors_dtype
+from specmerge.io.formats.protocol import TensorInfo
+from specmerge.io.formats.sources import open_source
+from specmerge.io.output.folder import OutputExistsError, atomic_directory
+from specmerge.io.output.model_files import copy_model_files
+from specmerge.io.output.writer import ShardWriter
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -283,7 +283,7 @@ def test_transformers_round_trip(tmp_path):
 def test_shards_are_synced_while_written_and_when_full_unless_asked_not_to(tmp_path, monkeypatch, fsync):
     import os
 
-    from specmerge.io import writer as writer_module
+    from specmerge.io.output import writer as writer_module
 
     calls = []
     real_fsync, real_fdatasync = os.fsync, os.fdatasync

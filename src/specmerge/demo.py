@@ -111,7 +111,7 @@ def score(merged: Path, base_logits: list[torch.Tensor], expert_logits: list[tor
 
 def run_demo(workdir: Path, methods: list[str] | None = None, seed: int = 0) -> list[dict]:
     """Build the experts in ``workdir``, merge them with each method (default: :func:`demo_methods`), one row each."""
-    from specmerge.pipeline.api import merge
+    from specmerge.pipeline.run.api import merge
 
     methods = demo_methods() if methods is None else methods
     base, experts, subspaces = build_experts(workdir, seed=seed)

@@ -13,11 +13,11 @@ from specmerge.cli.running import plain_warnings
 
 @plain_warnings
 def adamerge_command(args: argparse.Namespace) -> int:
-    from specmerge.io.hub import announce_inputs
+    from specmerge.io.hub.ids import announce_inputs
     from specmerge.tuning.adamerge import adamerge
 
     if args.quiet:
-        from specmerge.io.tokenizers import transformers_module
+        from specmerge.io.output.tokenizers import transformers_module
 
         transformers_module("specmerge adamerge").utils.logging.disable_progress_bar()  # no "Loading weights" bar
     with announce_inputs(not args.quiet):

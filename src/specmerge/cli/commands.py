@@ -1,6 +1,6 @@
 """The subcommands and their parser; the recipe and inspect options come from the models (:mod:`.fields`).
 
-Only what is not a field of :class:`~specmerge.pipeline.recipe.Recipe` or
+Only what is not a field of :class:`~specmerge.pipeline.recipe.model.Recipe` or
 :class:`~specmerge.diagnostics.options.InspectOptions` is declared here: the output folder, ``--overwrite``,
 ``--quiet``, ``--no-fsync``, ``--threads`` and the arguments of ``methods`` and ``demo``.
 """
@@ -18,7 +18,7 @@ from specmerge.cli.running import plain_warnings
 from specmerge.diagnostics.options import InspectOptions
 from specmerge.errors import RecipeError
 from specmerge.methods import Method, all_methods, get_method
-from specmerge.pipeline.recipe import Recipe
+from specmerge.pipeline.recipe.model import Recipe
 from specmerge.version import __version__
 
 # Recipe fields the `merge` command does not offer, and why (a recipe file has them: `specmerge run`).
@@ -68,7 +68,7 @@ def methods_command(args: argparse.Namespace) -> int:
 def schema_command(args: argparse.Namespace) -> int:
     import json
 
-    from specmerge.pipeline.schema import recipe_schema
+    from specmerge.pipeline.recipe.schema import recipe_schema
 
     print(json.dumps(recipe_schema(), indent=1))
     return 0
@@ -80,7 +80,7 @@ def announced(command: Callable[[argparse.Namespace], int]) -> Callable[[argpars
 
     @functools.wraps(command)
     def run(args: argparse.Namespace) -> int:
-        from specmerge.io.hub import announce_inputs
+        from specmerge.io.hub.ids import announce_inputs
 
         with announce_inputs(not args.quiet):
             return command(args)
@@ -101,7 +101,7 @@ def _output_options(args: argparse.Namespace) -> dict:
 @announced
 @plain_warnings
 def merge_command(args: argparse.Namespace) -> int:
-    from specmerge.pipeline import api
+    from specmerge.pipeline.run import api
 
     paths = field_values(args, Recipe)  # every option given is the recipe's to validate, empty or zero included
     base, experts = paths.pop("base"), paths.pop("experts")
@@ -119,8 +119,8 @@ def merge_command(args: argparse.Namespace) -> int:
 @announced
 @plain_warnings
 def run_command(args: argparse.Namespace) -> int:
-    from specmerge.pipeline.api import run_recipe
-    from specmerge.pipeline.recipe import load_recipe
+    from specmerge.pipeline.recipe.model import load_recipe
+    from specmerge.pipeline.run.api import run_recipe
 
     if _dry(args):
         return _dry_run(load_recipe(args.recipe), args)
@@ -182,7 +182,7 @@ def _dry_run(recipe: Recipe, args: argparse.Namespace) -> int:
     """Print the plan and its estimated cost (a table, or JSON with every tensor); nothing is written."""
     import json
 
-    from specmerge.pipeline.dryrun import dry_run, format_estimate
+    from specmerge.pipeline.estimate.dryrun import dry_run, format_estimate
 
     options = {k: v for k, v in _output_options(args).items() if k != "progress"}
     estimate = dry_run(recipe, args.output, tensors=args.json, **options)
@@ -202,7 +202,7 @@ def _print_summary(report: dict, output: str) -> None:
 
 def _threads(args: argparse.Namespace) -> int | None:
     """``--threads`` checked (a whole number >= 1: one line otherwise) or None for the default."""
-    from specmerge.pipeline.threads import parse_threads
+    from specmerge.pipeline.run.threads import parse_threads
 
     return parse_threads(args.threads)
 

@@ -2,7 +2,7 @@
 
 :func:`add_fields` adds a flag (or a positional argument) for each field of a model: its name from the field
 (``--field-name``, ``--no-field-name`` for a switch that is on by default, or the
-:class:`~specmerge.pipeline.values.Flag` declared on the field), its help from the field's ``description``
+:class:`~specmerge.pipeline.recipe.values.Flag` declared on the field), its help from the field's ``description``
 and default, its metavar from the field's type (the choices of a ``Literal``). :func:`field_values` gives back
 the fields that were typed, and only those (a flag not given leaves the model's default in place), so the
 model validates the command line exactly as it validates a recipe or a Python call.
@@ -10,11 +10,11 @@ model validates the command line exactly as it validates a recipe or a Python ca
 How a field's type is typed on the command line:
 
 - ``bool``: a switch without a value (``--merge-embeddings``, ``--no-plots``);
-- ``dict``: a repeatable ``KEY=VALUE`` flag, the pairs read by :func:`~specmerge.pipeline.values.parse_pairs`;
+- ``dict``: a repeatable ``KEY=VALUE`` flag, the pairs read by :func:`~specmerge.pipeline.recipe.values.parse_pairs`;
 - a list or tuple: a repeatable flag, one item each (a positional list takes one or more);
 - ``str`` (names, paths, patterns, regular expressions): the text as typed;
 - anything else (numbers, sizes, choices): the text read as a YAML recipe reads it
-  (:func:`~specmerge.pipeline.values.parse_value`: ``0.5``, ``.inf``, ``null``, ``5GB``).
+  (:func:`~specmerge.pipeline.recipe.values.parse_value`: ``0.5``, ``.inf``, ``null``, ``5GB``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from specmerge.errors import RecipeError
-from specmerge.pipeline.values import field_flag, parse_pairs, parse_value
+from specmerge.pipeline.recipe.values import field_flag, parse_pairs, parse_value
 
 Kind = Literal["switch", "pairs", "list", "text", "value"]
 

@@ -10,7 +10,7 @@ from specmerge.cli.running import plain_warnings
 
 @plain_warnings
 def tune_command(args: argparse.Namespace) -> int:
-    from specmerge.pipeline.threads import parse_threads
+    from specmerge.pipeline.run.threads import parse_threads
     from specmerge.tuning.tune import tune
 
     if args.timeout is not None and args.timeout <= 0:

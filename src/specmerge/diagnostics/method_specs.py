@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specmerge.methods import all_methods, get_method
-from specmerge.pipeline.values import parse_pairs
+from specmerge.pipeline.recipe.values import parse_pairs
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class MethodSpec:
 def parse_method_spec(spec: str, n_experts: int | None = None) -> MethodSpec:
     """Parse and validate ``NAME[:key=value,...]`` against the method's signature (no I/O).
 
-    Values are read as a recipe reads them (:func:`specmerge.pipeline.values.parse_pairs`); an unknown
+    Values are read as a recipe reads them (:func:`specmerge.pipeline.recipe.values.parse_pairs`); an unknown
     method, a malformed pair, a value out of the parameter's bounds, a method that cannot take ``n_experts``
     experts, or one that merges whole weights (slerp: inspect compares merges of task vectors) raises one line.
     """

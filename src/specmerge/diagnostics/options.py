@@ -1,7 +1,7 @@
 """What ``specmerge inspect`` computes: :class:`InspectOptions`, the one source of every inspect option.
 
 Python callers pass the fields as keyword arguments of ``inspect_model``; the command line's flags and
-their help are generated from the fields (their ``description``; a :class:`~specmerge.pipeline.values.Flag`
+their help are generated from the fields (their ``description``; a :class:`~specmerge.pipeline.recipe.values.Flag`
 where the flag is not ``--field-name``). Everything is validated before any file is read, and every
 mistake raises :class:`RecipeError` with one line that names the option and its flag.
 """
@@ -17,7 +17,7 @@ from specmerge.diagnostics.method_specs import default_methods, parse_method_spe
 from specmerge.errors import RecipeError, unknown_name_message
 from specmerge.linalg.quadratic import TauInit
 from specmerge.methods import get_method
-from specmerge.pipeline.values import Device, Flag, option_flag
+from specmerge.pipeline.recipe.values import Device, Flag, option_flag
 
 
 def _method_default(method: str, name: str) -> Any:

@@ -48,25 +48,25 @@ from specmerge.diagnostics.statistics import (
 )
 from specmerge.diagnostics.tables import InspectState, render_report, summarize, write_tables
 from specmerge.errors import RecipeError, SpecmergeError, closest_name
-from specmerge.io.experts import Expert
-from specmerge.io.hub import absolute_spec
-from specmerge.io.layout import CONV1D_LAYOUT, transposed_weights
-from specmerge.io.output import atomic_directory
-from specmerge.io.protocol import TensorSource
-from specmerge.io.task_vectors import TaskVector, low_rank_deltas, task_vector_stack
+from specmerge.io.formats.layout import CONV1D_LAYOUT, transposed_weights
+from specmerge.io.formats.protocol import TensorSource
+from specmerge.io.hub.ids import absolute_spec
+from specmerge.io.output.folder import atomic_directory
+from specmerge.io.views.experts import Expert
+from specmerge.io.views.task_vectors import TaskVector, low_rank_deltas, task_vector_stack
 from specmerge.linalg.lowrank import factor_cores
 from specmerge.linalg.quadratic import TauInit, expert_norms_sq, initial_point, normal_equation
 from specmerge.linalg.solve import equation_and_spectrum, shared_decompositions
 from specmerge.linalg.spectrum import decompose
 from specmerge.methods import get_method
-from specmerge.pipeline.compute import resolve_device
-from specmerge.pipeline.executor import prefetched
-from specmerge.pipeline.finite import check_finite
-from specmerge.pipeline.inputs import open_inputs, refuse_output_inside_inputs
-from specmerge.pipeline.plan import TensorPlan, make_plan
-from specmerge.pipeline.recipe import Recipe
-from specmerge.pipeline.threads import check_threads, merge_threads
-from specmerge.pipeline.work import WorkItem, read_inputs
+from specmerge.pipeline.inputs.open import open_inputs, refuse_output_inside_inputs
+from specmerge.pipeline.plan.rules import TensorPlan, make_plan
+from specmerge.pipeline.recipe.model import Recipe
+from specmerge.pipeline.run.compute import resolve_device
+from specmerge.pipeline.run.executor import prefetched
+from specmerge.pipeline.run.finite import check_finite
+from specmerge.pipeline.run.threads import check_threads, merge_threads
+from specmerge.pipeline.run.work import WorkItem, read_inputs
 
 # Step counts at which the optimizer-as-filter diagnostic measures and fits the filter (plus the last step).
 DEFAULT_CHECKPOINTS = (1, 2, 5, 10, 20, 50, 100, 200, 300, 500, 1000, 2000)
@@ -114,7 +114,7 @@ def inspect_model(
     """Write the spectral report of ``experts`` (fine-tuned from ``base``) to the new folder ``output``.
 
     ``options`` are the fields of :class:`InspectOptions`. ``threads`` is torch's thread count while it
-    runs (default: chosen from the CPUs free, see :mod:`specmerge.pipeline.threads`). Returns the content of
+    runs (default: chosen from the CPUs free, see :mod:`specmerge.pipeline.run.threads`). Returns the content of
     ``summary.json``.
     """
     check_threads(threads)

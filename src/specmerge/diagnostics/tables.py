@@ -27,7 +27,7 @@ from specmerge.diagnostics.method_specs import MethodSpec
 from specmerge.diagnostics.optimizer_filter import FilterFit
 from specmerge.diagnostics.options import InspectOptions
 from specmerge.diagnostics.statistics import RULE_LABELS, RULES, summarize_layers
-from specmerge.pipeline.recipe import Recipe
+from specmerge.pipeline.recipe.model import Recipe
 from specmerge.version import __version__
 
 # The plots of the report and their file names (drawn by :func:`specmerge.diagnostics.plots.write_plots`).

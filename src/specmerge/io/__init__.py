@@ -1,11 +1,13 @@
 """Reading checkpoints and adapters, and writing outputs (the I/O layer: it imports no merge method).
 
-Reading: :mod:`.protocol` (the :class:`~.protocol.TensorSource` every reader is), one reader per format
-(:mod:`.safetensors_format`, :mod:`.torch_format` on the shared :mod:`.sharded` logic; :mod:`.peft` for PEFT LoRA
-adapters), :mod:`.sources` (``open_source``: the reader for a path), :mod:`.files` (which files may be read),
-:mod:`.layout` (which weights are stored (in, out)). Experts: :mod:`.experts` (full checkpoints and adapters
-behind one interface) and :mod:`.task_vectors` (what an expert holds for a tensor: dense, low-rank or zero, and
-the task-vector stack). Writing: :mod:`.writer` (safetensors shards), :mod:`.output` and :mod:`.work_folders`
-(all-or-nothing output folders), :mod:`.model_files` (config, tokenizer), :mod:`.peft` (merged adapters).
-Names and codes of the formats, shared by readers and writers: :mod:`.formats`.
+Four sub-packages, by stage (their ``__init__`` files import nothing; import the modules themselves):
+
+- :mod:`.formats`: reading checkpoint files: the reader every format is, one reader per format, which files may
+  be read, which weights are stored (in, out), PEFT LoRA adapters (read and written), and the formats' names;
+- :mod:`.hub`: inputs given as Hugging Face hub ids, resolved to cache snapshots holding only the files a merge
+  reads;
+- :mod:`.views`: lazy views of opened inputs: experts behind one interface, their task vectors, inputs under the
+  output's tensor names or vocabulary rows, and checkpoints held in memory;
+- :mod:`.output`: writing: safetensors shards, all-or-nothing output folders, the config, tokenizer and license
+  files of a merged model.
 """

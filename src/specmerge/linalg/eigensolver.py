@@ -68,7 +68,7 @@ REDUCTION_SHARE, VECTORS_SHARE, ALL_VECTORS_SHARE = 0.42, 1.2, 0.62
 
 def cost_share(k: int, d: int) -> float:
     """The time of the reduction and the k leading vectors as a share of eigh's on the same d x d matrix (for the
-    cost model: :func:`specmerge.pipeline.cost.price`)."""
+    cost model: :func:`specmerge.pipeline.estimate.cost.price`)."""
     vectors = VECTORS_SHARE * k / d if mrrr_pays(k, d) else ALL_VECTORS_SHARE
     return REDUCTION_SHARE + min(vectors, ALL_VECTORS_SHARE)
 

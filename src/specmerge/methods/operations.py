@@ -5,7 +5,7 @@ A method's cost function gets the stack's shape as the method sees it, ``(N, d_o
 params, and returns :class:`Operations`: flops of dense matrix products, the symmetric eigendecompositions, SVDs
 and QR factorizations by size, bytes moved by elementwise passes, entries through an exact top-k selection or a
 random draw, and the workspace the method allocates beyond its input stack. The pipeline's cost model
-(:mod:`specmerge.pipeline.cost`) prices them with rates measured on the machine.
+(:mod:`specmerge.pipeline.estimate.cost`) prices them with rates measured on the machine.
 
 The counts follow the code in :mod:`specmerge.linalg` and the family modules (which products, in which order,
 through C or M); where the work depends on the data (the rank a rule keeps, experts that are all zero) the

@@ -19,7 +19,7 @@ do with it is declared, not guessed from its name or signature:
 - a ``base`` keyword: ``fn`` needs the base tensor W_0 itself (it merges whole weights, as slerp does): never
   factored, and the caller passes it;
 - ``cost``: what merging one tensor costs in operations (:mod:`.operations`), for the dry run's estimate and
-  the progress bar (:mod:`specmerge.pipeline.cost`); a method without one is estimated as a few passes;
+  the progress bar (:mod:`specmerge.pipeline.estimate.cost`); a method without one is estimated as a few passes;
 - ``featured``, ``title``, ``settings``: how listings and the accuracy benchmark show it.
 
 Float parameters are finite: NaN is refused everywhere, and +-Inf (also written ``1e400``) too, except

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from specmerge.errors import RecipeError, SpecmergeError
-from specmerge.pipeline.layered import layer_positions
+from specmerge.pipeline.recipe.layered import layer_positions
 from specmerge.tuning.adamerge_io import (
     adamerge_report,
     changed_tensors,
@@ -49,7 +49,7 @@ __all__ = ["OTHER", "AdaMergeResult", "adamerge", "adamerge_coefficients", "entr
 
 def layer_groups(names: Iterable[str]) -> dict[str, list[str]]:
     """Tensor names by layer: ``model.layers.7`` holds the names whose first all-digit component is that 7 (the
-    rule of :func:`specmerge.pipeline.layered.layer_positions`), :data:`OTHER` the rest; layers in order, other
+    rule of :func:`specmerge.pipeline.recipe.layered.layer_positions`), :data:`OTHER` the rest; layers in order, other
     last."""
     names = list(names)
     groups: dict[str, list[str]] = {}

@@ -21,15 +21,15 @@ from typing import Any
 import torch
 
 from specmerge.errors import RecipeError, SpecmergeError
-from specmerge.io.files import write_json
-from specmerge.io.hub import InputResolution, resolve_input
-from specmerge.io.model_files import copy_config_files, copy_tokenizer_files, write_output_config
-from specmerge.io.output import atomic_directory, check_output
-from specmerge.io.protocol import SourceError, TensorInfo
-from specmerge.io.sources import open_source
-from specmerge.io.tokenizers import read_tokenizer, transformers_module
-from specmerge.io.writer import ShardWriter
-from specmerge.pipeline.inputs import portable_spec, refuse_output_inside_inputs
+from specmerge.io.formats.files import write_json
+from specmerge.io.formats.protocol import SourceError, TensorInfo
+from specmerge.io.formats.sources import open_source
+from specmerge.io.hub.ids import InputResolution, resolve_input
+from specmerge.io.output.folder import atomic_directory, check_output
+from specmerge.io.output.model_files import copy_config_files, copy_tokenizer_files, write_output_config
+from specmerge.io.output.tokenizers import read_tokenizer, transformers_module
+from specmerge.io.output.writer import ShardWriter
+from specmerge.pipeline.inputs.open import portable_spec, refuse_output_inside_inputs
 from specmerge.version import __version__
 
 TASKS = {"causal-lm": "AutoModelForCausalLM", "classification": "AutoModelForSequenceClassification"}

@@ -21,18 +21,18 @@ from typing import Any
 
 import torch
 
-from specmerge.io.output import atomic_directory, check_output
+from specmerge.io.output.folder import atomic_directory, check_output
 from specmerge.linalg.projection import Projection
 from specmerge.linalg.solve import Kept, LayerProjections, ProjectionMissing
-from specmerge.pipeline.api import model_files, record_output, shard_writer
-from specmerge.pipeline.executor import StreamingExecutor
-from specmerge.pipeline.inputs import refuse_output_inside_inputs
-from specmerge.pipeline.jobs import ComputeOptions, ModelJob
-from specmerge.pipeline.plan import TensorPlan
-from specmerge.pipeline.prepare import prepare_merge
-from specmerge.pipeline.recipe import Recipe
-from specmerge.pipeline.threads import merge_threads
-from specmerge.pipeline.work import Inputs, Outcome, ReportAccumulator, WorkItem
+from specmerge.pipeline.inputs.open import refuse_output_inside_inputs
+from specmerge.pipeline.plan.prepare import prepare_merge
+from specmerge.pipeline.plan.rules import TensorPlan
+from specmerge.pipeline.recipe.model import Recipe
+from specmerge.pipeline.run.api import model_files, record_output, shard_writer
+from specmerge.pipeline.run.executor import StreamingExecutor
+from specmerge.pipeline.run.jobs import ComputeOptions, ModelJob
+from specmerge.pipeline.run.threads import merge_threads
+from specmerge.pipeline.run.work import Inputs, Outcome, ReportAccumulator, WorkItem
 
 WRITERS = 4  # outputs written at once (page-cache copies scale with threads; the disk then flushes in the back)
 
@@ -66,8 +66,8 @@ class SharedProducts:
 
 
 class SettingsJob(ModelJob):
-    """A :class:`~specmerge.pipeline.jobs.ModelJob` for several plans of the same tensors: each item read once, merged
-    once per distinct plan entry, delivered to every setting's writer (in parallel)."""
+    """A :class:`~specmerge.pipeline.run.jobs.ModelJob` for several plans of the same tensors: each item read once,
+    merged once per distinct plan entry, delivered to every setting's writer (in parallel)."""
 
     def __init__(
         self,

@@ -1,8 +1,8 @@
 """Filling the spectral cache for a recipe: every spectral layer read, keyed by content, decomposed once if missing.
 
-:func:`cached_layers` runs :class:`CacheBuild` (a :class:`~specmerge.pipeline.work.Job`, so the streaming executor
+:func:`cached_layers` runs :class:`CacheBuild` (a :class:`~specmerge.pipeline.run.work.Job`, so the streaming executor
 reads the next layer while this one is decomposed and writes behind) over the recipe's plan and returns the stored
-projections by tensor name, ready for :func:`specmerge.pipeline.api.run_recipe`'s ``layers``. Every input of a
+projections by tensor name, ready for :func:`specmerge.pipeline.run.api.run_recipe`'s ``layers``. Every input of a
 spectral layer is read and hashed on every call, so an entry is used only for the very bytes it was made from
 (the hashing costs about one read of those inputs: 10 s for the 1.1B Llama set); layers already stored are not
 decomposed again.
@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from specmerge.io.task_vectors import TaskVector
+from specmerge.io.views.task_vectors import TaskVector
 from specmerge.linalg.solve import FreshLayer, Kept
-from specmerge.pipeline.compute import spectral_stack
-from specmerge.pipeline.cost import expert_kind
-from specmerge.pipeline.jobs import ComputeOptions
-from specmerge.pipeline.prepare import PreparedMerge, prepare_merge
-from specmerge.pipeline.recipe import Recipe
-from specmerge.pipeline.work import Outcome, Progress, WorkItem
+from specmerge.pipeline.estimate.cost import expert_kind
+from specmerge.pipeline.plan.prepare import PreparedMerge, prepare_merge
+from specmerge.pipeline.recipe.model import Recipe
+from specmerge.pipeline.run.compute import spectral_stack
+from specmerge.pipeline.run.jobs import ComputeOptions
+from specmerge.pipeline.run.work import Outcome, Progress, WorkItem
 from specmerge.tuning.spectral_cache import (
     CachedLayer,
     SpectralCache,
@@ -137,7 +137,7 @@ def cached_layers(
                     f"the spectral cache needs up to {size / 2**30:.2f} GiB in {root} and the disk has "
                     f"{free / 2**30:.1f} GiB free: give --cache a folder on a larger disk"
                 )
-        from specmerge.pipeline.executor import StreamingExecutor
+        from specmerge.pipeline.run.executor import StreamingExecutor
 
         StreamingExecutor().run(job, progress=progress)
         if job.built:

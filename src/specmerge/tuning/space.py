@@ -30,7 +30,7 @@ from typing import Any
 
 from specmerge.errors import RecipeError
 from specmerge.methods import Method
-from specmerge.pipeline.layered import validate_layered
+from specmerge.pipeline.recipe.layered import validate_layered
 
 PAPER_SCALES = (0.1, 0.2, 0.3, 0.5, 1.0)
 PAPER_GRIDS: dict[str, dict[str, tuple[Any, ...]]] = {  # the paper's grids beyond s, by method (Sec. 5)

@@ -39,14 +39,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from specmerge.io.task_vectors import TaskVector
+from specmerge.io.views.task_vectors import TaskVector
 from specmerge.linalg.eigensolver import Reduction
 from specmerge.linalg.projection import Projection
 from specmerge.linalg.quadratic import TauInit
 from specmerge.linalg.solve import FreshLayer, Kept, ProjectionMissing, leading_count, solve_count, wants_partial
 from specmerge.linalg.spectrum import Spectrum
 from specmerge.methods import get_method
-from specmerge.pipeline.plan import TensorPlan
+from specmerge.pipeline.plan.rules import TensorPlan
 
 FORMAT = "specmerge-spectral-cache/1"
 # eigh(C) or the SVD of M as decompose() chose; the SVD one when forced; the partial one (a reduction of C) for top-K
@@ -57,7 +57,7 @@ def code_key() -> str:
     """A hash of the code whose results the cache stores (the linear algebra and the task-vector stack) and torch."""
     root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256(torch.__version__.encode())
-    for file in [*sorted((root / "linalg").glob("*.py")), root / "io" / "task_vectors.py"]:
+    for file in [*sorted((root / "linalg").glob("*.py")), root / "io" / "views" / "task_vectors.py"]:
         digest.update(file.name.encode())
         digest.update(file.read_bytes())
     return digest.hexdigest()[:16]

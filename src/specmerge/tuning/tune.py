@@ -6,7 +6,7 @@ The tune folder holds ``tune.json`` (the recipe, space, strategy and evaluation 
 ``plots/``, ``best/`` (the best model so far, a full model folder with its ``recipe.yaml``) and by default
 ``cache/`` (the spectral cache). Running the same tune again in the same folder skips every setting already scored.
 
-Each setting is a complete merge by :func:`specmerge.pipeline.api.run_recipe` of the recipe with the setting's
+Each setting is a complete merge by :func:`specmerge.pipeline.run.api.run_recipe` of the recipe with the setting's
 parameters, written to ``work/`` and removed once scored (or moved to ``best/``). Spectral methods merge from the
 spectral cache (:mod:`.spectral_cache`): the first setting pays the decompositions, every other one only the filter
 products and the I/O, with the same bits as a fresh merge. Strategies: ``grid`` (every setting at the full
@@ -30,10 +30,10 @@ import torch
 
 from specmerge.errors import RecipeError
 from specmerge.methods import get_method
-from specmerge.pipeline.api import run_recipe
-from specmerge.pipeline.inputs import refuse_output_inside_inputs
-from specmerge.pipeline.layered import validate_layered
-from specmerge.pipeline.recipe import Recipe, load_recipe_with
+from specmerge.pipeline.inputs.open import refuse_output_inside_inputs
+from specmerge.pipeline.recipe.layered import validate_layered
+from specmerge.pipeline.recipe.model import Recipe, load_recipe_with
+from specmerge.pipeline.run.api import run_recipe
 from specmerge.tuning.batch import NotBatchable, run_settings
 from specmerge.tuning.evaluation import Evaluate, callable_evaluator, command_evaluator, takes_budget, uses_budget
 from specmerge.tuning.results import ResultsLog, Scored, write_plots, write_tables

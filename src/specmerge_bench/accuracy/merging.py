@@ -6,7 +6,7 @@ tau_i`` on the ones the plan averages (``scale_non_matrix`` off, as in ``specmer
 in the registry returns ``scale * (its result at scale 1)``, so one delta per candidate serves the whole
 scale grid (a test checks the linearity).
 
-Which tensor gets what comes from :func:`specmerge.pipeline.plan.make_plan`, exactly as for a merge from files:
+Which tensor gets what comes from :func:`specmerge.pipeline.plan.rules.make_plan`, exactly as for a merge from files:
 2-D linear weights get the method, embeddings are averaged, biases and LayerNorms are averaged for matrix
 methods and merged by elementwise ones (TA, TIES, DARE). The per-tensor calls are the registry methods, so
 the benchmark measures the code users run. Two savings for sweeps, both exact:
@@ -30,13 +30,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specmerge.io.protocol import TensorInfo
+from specmerge.io.formats.protocol import TensorInfo
 from specmerge.linalg.optimize import descend, quadratic_gradient
 from specmerge.linalg.quadratic import initial_point, normal_equation
 from specmerge.linalg.solve import shared_decompositions
 from specmerge.methods import get_method
-from specmerge.pipeline.plan import make_plan
-from specmerge.pipeline.recipe import Recipe
+from specmerge.pipeline.plan.rules import make_plan
+from specmerge.pipeline.recipe.model import Recipe
 
 StateDict = dict[str, torch.Tensor]
 

@@ -39,12 +39,16 @@ def code_key(track: str = "full") -> str:
     files = [
         *sorted(core.glob("methods/**/*.py")),  # every method, whatever file it is in
         *sorted(core.glob("linalg/**/*.py")),
-        core / "pipeline" / "plan.py",
-        core / "pipeline" / "recipe.py",
+        core / "pipeline" / "plan" / "rules.py",
+        core / "pipeline" / "recipe" / "model.py",
         here.with_name("merging.py"),
     ]
     if track == "lora":
-        files += [core / "io" / "peft.py", core / "pipeline" / "compute.py", here.with_name("lora.py")]
+        files += [
+            core / "io" / "formats" / "peft.py",
+            core / "pipeline" / "run" / "compute.py",
+            here.with_name("lora.py"),
+        ]
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.name.encode())

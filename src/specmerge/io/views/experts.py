@@ -1,0 +1,180 @@
+"""Experts of a base model, whatever their format: what each one changes, tensor by tensor.
+
+An expert is a fine-tuned full checkpoint (:class:`CheckpointExpert`, any format :func:`open_source`
+reads) or a PEFT LoRA adapter of the base (:class:`AdapterExpert`). Both follow :class:`Expert`: ``read(name,
+rows)`` gives the tensor's :data:`~specmerge.io.views.task_vectors.TaskVector` (dense W_i, low-rank s B A, or zero),
+``infos()`` the tensors it has (an adapter has every base tensor: those it does not adapt are the base's own),
+``files()`` the real files it reads. :func:`open_expert` opens either from a path.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Protocol
+
+from specmerge.io.formats.peft import LoraAdapter, is_adapter, open_adapter
+from specmerge.io.formats.protocol import Closing, Rows, TensorInfo, TensorSource, row_ranges
+from specmerge.io.formats.sources import open_source
+from specmerge.io.views.task_vectors import Dense, LowRank, TaskVector, Zero, count_nonfinite
+from specmerge.linalg.lowrank import LoraDelta
+
+NONFINITE_BLOCK_BYTES = 16 * 2**20  # a tensor searched for NaN and Inf is read in blocks of rows this large
+
+
+class Expert(Protocol):
+    """One expert of a base model, read one tensor (or block of rows) at a time."""
+
+    path: Path
+    low_rank: bool  # every task vector it gives is low-rank or zero (a LoRA adapter)
+
+    def infos(self) -> dict[str, TensorInfo]:
+        """The tensors the expert has (name -> stored shape and dtype)."""
+        ...
+
+    def changes(self, name: str) -> bool:
+        """Whether the expert may change tensor ``name`` (False: its task vector is certainly zero)."""
+        ...
+
+    def read(self, name: str, rows: Rows = None) -> TaskVector:
+        """What the expert holds for tensor ``name`` (its rows ``start:stop`` when given)."""
+        ...
+
+    def stored_in_out_weights(self) -> frozenset[str]:
+        """The base weights that this expert says are stored (in, out) (see :mod:`specmerge.io.formats.layout`)."""
+        ...
+
+    def nonfinite(self, name: str, label: str) -> str | None:
+        """How many NaN or Inf entries tensor ``name`` holds, said for a message about ``label`` ("expert");
+        None when it holds none."""
+        ...
+
+    def files(self) -> list[Path]:
+        """The real paths (links resolved) of every file the expert reads."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def source_nonfinite(source: TensorSource, name: str, label: str) -> str | None:
+    """``N of M entries in <label> '<path>'`` for NaN and Inf in tensor ``name`` of ``source`` (read in blocks
+    of rows, so that counting costs a block, not a tensor), or None when it has none."""
+    shape = source.infos()[name].shape
+    total = math.prod(shape)
+    blocks = row_ranges(shape, 4, NONFINITE_BLOCK_BYTES)
+    count = sum(count_nonfinite(source.load(name, block)) for block in blocks)
+    return f"{count} of {total} entries in {label} '{source.path}'" if count else None
+
+
+class CheckpointExpert(Closing):
+    """A full fine-tuned checkpoint as an expert: every tensor is its weight W_i (:class:`Dense`)."""
+
+    low_rank = False
+
+    def __init__(self, source: TensorSource) -> None:
+        self.source = source
+        self.path = source.path
+
+    def infos(self) -> dict[str, TensorInfo]:
+        return self.source.infos()
+
+    def changes(self, name: str) -> bool:
+        return True
+
+    def read(self, name: str, rows: Rows = None) -> Dense:
+        return Dense(self.source.load(name, rows))
+
+    def stored_in_out_weights(self) -> frozenset[str]:
+        return frozenset()  # a checkpoint's layout comes from the base's config.json
+
+    def nonfinite(self, name: str, label: str) -> str | None:
+        return source_nonfinite(self.source, name, label)
+
+    def describe(self) -> str:
+        return self.source.describe()
+
+    def files(self) -> list[Path]:
+        return self.source.files()
+
+    def close(self) -> None:
+        self.source.close()
+
+
+class AdapterExpert(Closing):
+    """A LoRA adapter as an expert of a base model: every base tensor, changed by s B A on the adapted weights.
+
+    ``infos()`` lists the base's tensors (an adapter expert has them all: the ones it does not adapt are
+    the base's own, a :class:`Zero` delta); ``read(name)`` is the :class:`LowRank` delta of an adapted weight.
+    Checks on construction that every adapted module is a base weight of the delta's shape.
+    """
+
+    low_rank = True
+
+    def __init__(self, adapter: LoraAdapter, base_infos: Mapping[str, TensorInfo]) -> None:
+        adapter.check_base(dict(base_infos))
+        self.adapter = adapter
+        self.path = adapter.path
+        self._infos = dict(base_infos)
+        self._modules = adapter.modules()
+
+    @property
+    def fan_in_fan_out(self) -> bool:
+        """Whether the adapter's modules are Conv1D layers whose weights are stored (in, out) (PEFT's flag)."""
+        return bool(self.adapter.config.get("fan_in_fan_out"))
+
+    def infos(self) -> dict[str, TensorInfo]:
+        return self._infos
+
+    def changes(self, name: str) -> bool:
+        """Whether the adapter changes base tensor ``name``."""
+        return name in self._modules
+
+    def load_delta(self, name: str, rows: Rows = None) -> LoraDelta | None:
+        """The delta of ``name`` (rows ``start:stop`` of it when given), or None where the adapter changes nothing."""
+        if name not in self._modules:
+            return None
+        delta = self.adapter.load(name)
+        return delta if rows is None else delta.rows(*rows)
+
+    def read(self, name: str, rows: Rows = None) -> LowRank | Zero:
+        delta = self.load_delta(name, rows)
+        if delta is not None:
+            return LowRank(delta)
+        shape = self._infos[name].shape
+        return Zero(shape if rows is None or not shape else (rows[1] - rows[0], *shape[1:]))
+
+    def stored_in_out_weights(self) -> frozenset[str]:
+        """PEFT sets ``fan_in_fan_out`` exactly for Conv1D modules: then every adapted weight is stored (in, out)."""
+        return frozenset(self._modules) if self.fan_in_fan_out else frozenset()
+
+    def nonfinite(self, name: str, label: str) -> str | None:
+        delta = self.load_delta(name)
+        if delta is None:
+            return None
+        count = LowRank(delta).nonfinite_count()
+        total = delta.B.numel() + delta.A.numel()
+        return f"{count} of the {total} entries of the LoRA factors of {label} '{self.path}'" if count else None
+
+    def describe(self) -> str:
+        return f"PEFT LoRA adapter {self.path}"
+
+    def files(self) -> list[Path]:
+        """The real paths of the files the adapter reads (see :meth:`LoraAdapter.files`)."""
+        return self.adapter.files()
+
+    def close(self) -> None:
+        self.adapter.close()
+
+
+def open_expert(path: str | os.PathLike, base_infos: Mapping[str, TensorInfo]) -> CheckpointExpert | AdapterExpert:
+    """An expert checkpoint (full weights) or PEFT LoRA adapter folder, checked against the base's tensors."""
+    if not is_adapter(path):
+        return CheckpointExpert(open_source(path))
+    adapter = open_adapter(path)
+    try:
+        return AdapterExpert(adapter, base_infos)
+    except BaseException:
+        adapter.close()
+        raise

@@ -1,0 +1,72 @@
+"""A merge prepared: the inputs opened and checked, the plan made, nothing computed or written yet.
+
+:func:`prepare_merge` is everything a merge decides before it reads a tensor's data: the base and experts
+opened (:func:`~specmerge.pipeline.inputs.open.open_inputs`), the layout of 2-D weights, the plan
+(:func:`~specmerge.pipeline.plan.rules.make_plan`) and its checks. ``run_recipe`` runs a prepared merge and writes
+it; a dry run (``--dry-run``) only shows it.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specmerge.io.formats.layout import transposed_weights
+from specmerge.io.formats.protocol import TensorSource
+from specmerge.io.hub.ids import InputResolution
+from specmerge.io.output.model_files import config_files, tokenizer_files
+from specmerge.io.output.readme import read_license
+from specmerge.io.views.experts import Expert
+from specmerge.io.views.vocab import VocabularyPlan
+from specmerge.pipeline.inputs.align import align_inputs
+from specmerge.pipeline.inputs.open import input_notes, open_inputs, resolve_inputs
+from specmerge.pipeline.plan.rules import TensorPlan, check_lora_output, make_plan, summarize
+from specmerge.pipeline.recipe.model import Recipe
+
+
+@dataclass
+class PreparedMerge:
+    """A merge ready to run: its recipe, opened inputs, plan and plan summary (counts and output bytes per action,
+    method and reason), and ``notes``: what the report should say about how the inputs were found and matched."""
+
+    recipe: Recipe
+    base: TensorSource
+    experts: list[Expert]
+    plan: list[TensorPlan]
+    summary: dict[str, Any]
+    base_path: Path  # the local base folder or file (a hub id resolved to its cache snapshot)
+    expert_paths: list[Path]  # the local expert folders or files, in recipe order
+    config_path: Path  # the folder whose config (and processor files) the merged model gets
+    notes: dict[str, Any] = field(default_factory=dict)
+    inputs: list[InputResolution] = field(default_factory=list)  # where the base and experts were found, in order
+    vocabulary: VocabularyPlan | None = None  # the output's vocabulary and tokenizer (None: the base's files)
+
+
+def prepare_merge(stack: ExitStack, recipe: Recipe, output: str | Path | None) -> PreparedMerge:
+    """Open the inputs of ``recipe`` (closed when ``stack`` closes), check them against each other and ``output``
+    (None for a dry run) and make the plan; raises before any tensor data is read."""
+    resolved = resolve_inputs(recipe.base, recipe.experts)  # hub ids -> their cache snapshots
+    base_path, expert_paths = resolved[0].path, [r.path for r in resolved[1:]]
+    base, experts = open_inputs(stack, recipe.base, recipe.experts, output, resolved)
+    aligned = align_inputs(recipe, base, experts, base_path, expert_paths)  # one set of names, own modules
+    base, experts, config_path = aligned.base, aligned.experts, aligned.config_path
+    if recipe.output_format == "model":  # the files copied at the end, checked before any work
+        config_files(config_path)
+        if aligned.vocabulary is not None and aligned.vocabulary.tokenizer_from is not None:
+            tokenizer_files(aligned.vocabulary.tokenizer_from)
+    transposed = transposed_weights(config_path, base.infos(), experts)
+    plan = make_plan(
+        recipe, base.infos(), [e.infos() for e in experts], list(recipe.experts), transposed, own=aligned.own
+    )
+    if recipe.output_format == "lora":
+        check_lora_output(recipe, plan, experts)
+    license = read_license(base_path)  # for the model card (a README.md linked out of the folder is refused here)
+    notes = {"inputs": input_notes(recipe, resolved, output), **aligned.notes}
+    if license:
+        notes["license"] = license
+    summary = summarize(plan)
+    return PreparedMerge(
+        recipe, base, experts, plan, summary, base_path, expert_paths, config_path, notes, resolved, aligned.vocabulary
+    )

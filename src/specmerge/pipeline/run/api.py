@@ -1,0 +1,284 @@
+"""Whole-model merges: recipe -> inputs -> plan -> job -> executor -> writer -> report.
+
+``merge(base, experts, output, method=..., params=...)`` is the Python entry point;
+``run_recipe(recipe, output)`` does the work for both it and the command line. Both take an ``executor``
+(:class:`specmerge.pipeline.run.work.Executor`; default the in-process
+:class:`~specmerge.pipeline.run.executor.StreamingExecutor`) that runs the job's work items.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specmerge.errors import RecipeError
+from specmerge.io.formats.peft import adapter_config, write_adapter
+from specmerge.io.formats.protocol import TensorInfo
+from specmerge.io.hub.ids import absolute_spec
+from specmerge.io.output.folder import atomic_directory, check_output
+from specmerge.io.output.model_files import copy_config_files, copy_tokenizer_files, write_output_config
+from specmerge.io.output.writer import ShardWriter
+from specmerge.linalg.solve import LayerProjections
+from specmerge.methods import get_method
+from specmerge.pipeline.inputs.open import portable_recipe, portable_spec, refuse_output_inside_inputs
+from specmerge.pipeline.plan.prepare import PreparedMerge, prepare_merge
+from specmerge.pipeline.recipe.model import DTYPES, Recipe
+from specmerge.pipeline.run.card import card_for
+from specmerge.pipeline.run.executor import StreamingExecutor
+from specmerge.pipeline.run.jobs import AdapterJob, ComputeOptions, ModelJob
+from specmerge.pipeline.run.threads import check_threads, merge_threads
+from specmerge.pipeline.run.work import Executor, TensorReport
+from specmerge.version import __version__
+
+
+def merge(
+    base: str | os.PathLike,
+    experts: Sequence[str | os.PathLike],
+    output: str | os.PathLike,
+    *,
+    method: str = "swudi_a",
+    params: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    fsync: bool = True,
+    threads: int | None = None,
+    executor: Executor | str | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """Merge ``experts`` (fine-tuned from ``base``) into a new model folder ``output``; return the report.
+
+    ``options`` are the other recipe fields (overrides, dtype, device, shard_size, non_matrix, ...),
+    see :class:`specmerge.pipeline.recipe.model.Recipe`. Everything is validated before any tensor is read. With
+    ``fsync`` (default) the shards are flushed to disk before the folder is renamed into place. ``threads``
+    is torch's thread count during the merge (default: chosen from the CPUs free,
+    see :mod:`specmerge.pipeline.run.threads`). ``executor`` runs the work items: an
+    :class:`~specmerge.pipeline.run.work.Executor`, or the recipe's name for one, ``"local"`` (the default,
+    :class:`~specmerge.pipeline.run.executor.StreamingExecutor`) or ``"ray"`` (with ``address=``).
+    """
+    if isinstance(executor, str):
+        options, executor = {**options, "executor": executor}, None
+    recipe = merge_recipe(base, experts, method=method, params=params, **options)
+    return run_recipe(
+        recipe, output, overwrite=overwrite, progress=progress, fsync=fsync, threads=threads, executor=executor
+    )
+
+
+def merge_recipe(
+    base: str | os.PathLike,
+    experts: Sequence[str | os.PathLike],
+    *,
+    method: str = "swudi_a",
+    params: dict[str, Any] | None = None,
+    **options: Any,
+) -> Recipe:
+    """The validated recipe :func:`merge` runs for these arguments (what ``merge --dry-run`` estimates)."""
+    return Recipe.from_dict(
+        {  # paths made absolute from the current folder; hub ids (org/name@rev, nothing local of that name) kept
+            "base": _absolute_path(base, "base"),
+            "experts": [_absolute_path(e, f"experts[{i}]") for i, e in enumerate(_path_list(experts))],
+            "method": method,
+            "params": _params_mapping(params),
+            **options,
+        }
+    )
+
+
+def _path_list(experts: Any) -> list[Any]:
+    """``experts`` as a list, refusing a single path (a string would be taken as a list of characters)."""
+    if isinstance(experts, str | bytes | os.PathLike):
+        raise RecipeError(
+            f"experts must be a list of paths, got the single path {os.fspath(experts)!r}: pass "
+            f"[{os.fspath(experts)!r}] for one expert",
+            ("experts",),
+        )
+    if not isinstance(experts, Iterable) or isinstance(experts, Mapping):
+        raise RecipeError(f"experts must be a list of paths, got {type(experts).__name__}", ("experts",))
+    return list(experts)
+
+
+def _absolute_path(path: Any, what: str) -> str:
+    if not isinstance(path, str | os.PathLike) or not isinstance(os.fspath(path), str):
+        raise RecipeError(f"{what} must be a path (str or os.PathLike), got {type(path).__name__} {path!r}", (what,))
+    if not os.fspath(path) or "\0" in os.fspath(path):
+        raise RecipeError(f"{what} is not a valid path: {os.fspath(path)!r}", (what,))
+    return absolute_spec(os.fspath(path))
+
+
+def _params_mapping(params: Any) -> dict[str, Any]:
+    if params is None:
+        return {}
+    if not isinstance(params, Mapping):
+        raise RecipeError(
+            f"params must be a mapping of parameter names to values, such as {{'scale': 0.5}}; "
+            f"got {type(params).__name__} {params!r}",
+            ("params",),
+        )
+    return dict(params)
+
+
+def run_recipe(
+    recipe: Recipe,
+    output: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    fsync: bool = True,
+    threads: int | None = None,
+    executor: Executor | None = None,
+    layers: Mapping[str, LayerProjections] | None = None,
+) -> dict:
+    """Run a validated recipe and write the merged model (or adapter) folder atomically; return the report.
+
+    ``executor`` runs the work items (:class:`~specmerge.pipeline.run.work.Executor`; default
+    :class:`~specmerge.pipeline.run.executor.StreamingExecutor`); the output files do not depend on it. ``layers``:
+    stored projections of spectral layers by tensor name (``specmerge tune``'s spectral cache, see
+    :class:`~specmerge.pipeline.run.jobs.ModelJob`); the output is the same.
+    """
+    check_threads(threads)
+    executor = executor_for(recipe, threads) if executor is None else executor
+    output = Path(output)
+    refuse_output_inside_inputs(output, [recipe.base, *recipe.experts])
+    check_output(output, overwrite)  # before any work: parent exists, an existing folder may be replaced
+    options = ComputeOptions.for_recipe(recipe)
+    started = time.perf_counter()
+    with ExitStack() as stack:
+        threads_used = stack.enter_context(merge_threads(threads))  # torch's count restored on leaving
+        prepared = prepare_merge(stack, recipe, output)
+        size = prepared.summary["bytes"] if recipe.output_format == "model" else None  # for a full disk's message
+        with atomic_directory(output, overwrite=overwrite, expected_bytes=size) as folder:
+            if recipe.output_format == "lora":
+                reports, extra = _write_adapter(prepared, folder, options, executor, progress, output)
+            else:
+                reports, extra = _write_model(prepared, folder, options, executor, progress, fsync, layers)
+            extra = {"threads": threads_used.threads, "threads_from": threads_used.source, **extra}
+            if hasattr(executor, "describe"):
+                extra["executor"] = executor.describe()
+            report = record_output(prepared, folder, output, options, reports, extra, started)
+    return report
+
+
+def executor_for(recipe: Recipe, threads: int | None = None) -> Executor:
+    """The executor a recipe names: ``local`` (:class:`~specmerge.pipeline.run.executor.StreamingExecutor`) or ``ray``
+    (:class:`~specmerge.pipeline.run.ray_executor.RayExecutor` at the recipe's ``address``, each task asking for
+    ``threads`` CPUs, default 1; Ray must be installed)."""
+    if recipe.executor == "ray":
+        from specmerge.pipeline.run.ray_executor import RayExecutor
+
+        return RayExecutor(recipe.address, cpus_per_task=threads or 1, threads=threads)
+    return StreamingExecutor()
+
+
+def _write_model(
+    prepared: PreparedMerge,
+    folder: Path,
+    options: ComputeOptions,
+    executor: Executor,
+    progress: bool,
+    fsync: bool,
+    layers: Mapping[str, LayerProjections] | None = None,
+) -> tuple[list[TensorReport], dict]:
+    plan = prepared.plan
+    with shard_writer(prepared, folder, fsync) as writer:  # closes (index, completeness check) on success, else aborts
+        job = ModelJob(
+            plan, prepared.base, prepared.experts, writer.write, options,
+            fsync=fsync, layers=layers, recipe=prepared.recipe, shards=writer,
+        )  # fmt: skip
+        reports = executor.run(job, progress=progress)
+    model_files(prepared, folder)
+    return reports, {}
+
+
+def shard_writer(prepared: PreparedMerge, folder: Path, fsync: bool) -> ShardWriter:
+    """The writer of a merged model's shards into ``folder``: every planned tensor, the recipe's shard size."""
+    recipe = prepared.recipe
+    return ShardWriter(
+        folder,
+        [TensorInfo(p.name, p.shape, p.out_dtype) for p in prepared.plan],
+        max_shard_bytes=recipe.shard_bytes,
+        metadata={"merged_with": f"specmerge {__version__}", "method": recipe.method},
+        fsync=fsync,
+    )
+
+
+def model_files(prepared: PreparedMerge, folder: Path) -> None:
+    """A merged model's files beside its shards: the config (its vocabulary size and dtype updated) and tokenizer."""
+    copy_config_files(prepared.config_path, folder)
+    vocabulary = prepared.vocabulary  # the tokenizer: the base's files, an expert's, or the union written
+    if vocabulary is None:
+        copy_tokenizer_files(prepared.base_path, folder)
+    else:
+        vocabulary.write_tokenizer(folder)
+    rows = None if vocabulary is None else vocabulary.rows
+    write_output_config(folder, [TensorInfo(p.name, p.shape, p.out_dtype) for p in prepared.plan], vocab_size=rows)
+
+
+def record_output(
+    prepared: PreparedMerge,
+    folder: Path,
+    output: Path,
+    options: ComputeOptions,
+    reports: list[TensorReport],
+    extra: dict,
+    started: float,
+) -> dict:
+    """Write ``report.json``, ``recipe.yaml`` (hub ids pinned, paths relative to ``output``) and the model card into
+    ``folder`` (the output being written, renamed to ``output`` when done); return the report."""
+    recipe = prepared.recipe
+    method = get_method(recipe.method)
+    report = {
+        "specmerge": __version__,
+        "method": recipe.method,
+        "citation": method.citation,
+        "params": recipe.params,
+        "output_format": recipe.output_format,
+        "device": str(options.device),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "seconds": round(time.perf_counter() - started, 3),
+        "files": sorted([p.name for p in folder.iterdir()] + ["recipe.yaml", "report.json", "README.md"]),
+        "summary": prepared.summary,
+        **prepared.notes,
+        **extra,
+        "tensors": [asdict(r) for r in reports],
+    }
+    written = portable_recipe(recipe, prepared.inputs, output)  # hub ids pinned, paths relative to output
+    (folder / "recipe.yaml").write_text(written.to_yaml())
+    (folder / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (folder / "README.md").write_text(card_for(prepared, written, method.citation))
+    return report
+
+
+def _write_adapter(
+    prepared: PreparedMerge,
+    folder: Path,
+    options: ComputeOptions,
+    executor: Executor,
+    progress: bool,
+    output: Path,
+) -> tuple[list[TensorReport], dict]:
+    recipe, plan, experts = prepared.recipe, prepared.plan, prepared.experts
+    out_dtype = DTYPES[recipe.dtype] if recipe.dtype != "auto" else experts[0].adapter.dtype
+    job = AdapterJob(plan, experts, options, max_rank=recipe.max_rank, out_dtype=out_dtype, recipe=recipe)
+    reports = executor.run(job, progress=progress)
+    factors = job.factors()
+    ranks = {name: f.rank for name, f in factors.items()}
+    base = prepared.inputs[0]  # named as in the written recipe: a hub id, or a path relative to the output folder
+    config = adapter_config(ranks, base_model=portable_spec(base, output, pinned=False), like=experts[0].adapter.config)
+    write_adapter(folder, factors, {**config, "revision": base.commit} if base.commit else config)
+    extra = {
+        "adapter": {
+            "modules": len(factors),
+            "max_rank": max(ranks.values(), default=0),
+            "max_discarded_energy": max((f.discarded_energy for f in factors.values()), default=0.0),
+        }
+    }
+    return reports, extra
