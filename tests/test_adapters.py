@@ -120,7 +120,7 @@ def test_bad_adapters_are_refused(tmp_path):
         open_adapter(tmp_path / "ia3")
 
     make_adapter(tiny_llama, tmp_path / "dora", seed=3, r=2, lora_alpha=4, target_modules=["q_proj"], use_dora=True)
-    with pytest.raises(AdapterError, match="DoRA adapters are not supported"):
+    with pytest.raises(AdapterError, match="the adapter is DoRA: a learned magnitude"):
         open_adapter(tmp_path / "dora")
 
     # an adapter trained on another base: shapes do not match

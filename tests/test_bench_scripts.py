@@ -3,6 +3,7 @@
 import json
 import math
 import runpy
+import shutil
 import sys
 from pathlib import Path
 
@@ -71,6 +72,12 @@ def cases(tmp: Path, family: Path) -> list[tuple[list[str], str]]:
         (["lora_speed.py", "--methods", "ties"], "invalid choice: 'ties'"),
         (["ray_executor.py", "--models", str(tmp / "empty"), "--work", str(tmp / "w")], "is not a folder"),
         (["compute_floor.py", "--repeats", "0"], "--repeats must be at least 1"),
+        (["quantized_inputs.py", "measure", "--models", str(tmp / "none")], "is not a folder"),
+        (["quantized_inputs.py", "quantize", "--models", str(family)], "quantize needs --scheme"),
+        (
+            ["quantized_inputs.py", "measure", "--models", str(family), "--schemes", "fp8-block"],
+            f"{family.parent / (family.name + '-fp8-block')} is missing: run quantize --scheme fp8-block first",
+        ),
         (["compute_floor.py", "--models", str(family), "--before-src", str(tmp)], "holds no specmerge/ package"),
         (["compute_floor.py", "--before-src", str(Path(__file__).parents[1] / "src")], "--before-src needs --models"),
         (
@@ -88,6 +95,22 @@ def test_bench_scripts_refuse_bad_inputs_in_one_line(tmp_path, family, capsys):
         assert exit_.value.code == 2, argv
         assert err.startswith(f"{argv[0]}: error: ") and message in err, (argv, err)
         assert len(err.splitlines()) == 1, (argv, err)
+
+
+def test_quantized_inputs_writes_an_fp8_set_that_reads_as_the_dense_one(tmp_path, family):
+    """bench/quantized_inputs.py quantize: the copy's projections dequantize to within fp8's rounding of the dense
+    weights (e4m3 keeps 3 mantissa bits: a relative error of at most 2**-4 per entry), the rest equal."""
+    models = tmp_path / "set"
+    shutil.copytree(family, models, symlinks=False)
+    run_script("quantized_inputs.py", "quantize", "--models", str(models), "--scheme", "fp8-block")
+    with open_source(models / "expert0") as dense, open_source(tmp_path / "set-fp8-block" / "expert0") as quantized:
+        assert quantized.infos().keys() == dense.infos().keys()
+        for name in dense.infos():
+            want, got = dense.load(name).float(), quantized.load(name).float()
+            if ".layers." in name and name.endswith("_proj.weight"):
+                assert float((got - want).abs().max()) <= 2**-4 * float(want.abs().max())
+            else:
+                assert torch.equal(got, want)
 
 
 def test_merge_distances_norms_and_sweep(tmp_path, capsys):

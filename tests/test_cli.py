@@ -40,6 +40,7 @@ MERGE_SAMPLES = {
     "shard_size": (["--shard-size", "500MB"], "500MB"),
     "output_format": (["--output-format", "lora"], "lora"),
     "max_rank": (["--max-rank", "8"], 8),
+    "quantize": (["--quantize", "fp8-block"], "fp8-block"),
     "config_source": (["--config-source", "e2"], "e2"),
     "tokenizer_source": (["--tokenizer-source", "e2"], "e2"),
     "executor": (["--executor", "ray"], "ray"),

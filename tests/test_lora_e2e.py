@@ -164,7 +164,7 @@ def test_bad_adapters_through_the_cli(family, tmp_path, capsys):
         (deeper, "which the base model does not have"),
         (no_config, "no adapter_config.json"),
         (ia3, "PEFT type 'IA3' is not supported"),
-        (dora, "DoRA adapters are not supported"),
+        (dora, "the adapter is DoRA: a learned magnitude"),
     ]
     capsys.readouterr()  # transformers' own progress output while building the cases
     for bad, message in cases:

@@ -1,6 +1,6 @@
 """Reading checkpoints and adapters, and writing outputs (the I/O layer: it imports no merge method).
 
-Four sub-packages, by stage (their ``__init__`` files import nothing; import the modules themselves):
+Five sub-packages, by stage (their ``__init__`` files import nothing; import the modules themselves):
 
 - :mod:`.formats`: reading checkpoint files: the reader every format is, one reader per format, which files may
   be read, which weights are stored (in, out), PEFT LoRA adapters (read and written), and the formats' names;
@@ -8,6 +8,8 @@ Four sub-packages, by stage (their ``__init__`` files import nothing; import the
   reads;
 - :mod:`.views`: lazy views of opened inputs: experts behind one interface, their task vectors, inputs under the
   output's tensor names or vocabulary rows, and checkpoints held in memory;
+- :mod:`.quant`: quantized checkpoints (FP8, compressed-tensors, GPTQ, AWQ, MXFP4, bitsandbytes) read as the dense weights they stand
+  for, dequantized per tensor on read; every other quantization refused by name;
 - :mod:`.output`: writing: safetensors shards, all-or-nothing output folders, the config, tokenizer and license
   files of a merged model.
 """

@@ -10,8 +10,8 @@ r the module's rank (read from the stored factors, which is what ``rank_pattern`
 from ``alpha_pattern`` or ``lora_alpha``. Patterns follow PEFT: the first key in the pattern dict
 that matches the end of the module name (``(.*\\.)?key$``) wins. With ``fan_in_fan_out`` (GPT-2's
 Conv1D, whose weight is stored as d_in x d_out) the delta is transposed into the weight's layout.
-DoRA, LoRA biases, ``modules_to_save`` and other PEFT types are refused with a clear error: their
-updates are not a low-rank delta of the base weights.
+Other PEFT types, and every config field that makes an adapter more than that delta (DoRA, LoRA biases,
+``modules_to_save``, activated LoRA, ...: :mod:`.peft_fields`), are refused by name with a clear error.
 
 The config is checked against the factors before anything is merged: ``r`` (or the ``rank_pattern``
 entry of a module) must be the rank of its stored factors, ``lora_alpha`` and ``alpha_pattern`` values
@@ -39,17 +39,14 @@ from safetensors.torch import save_file
 from specmerge.errors import SpecmergeWarning
 from specmerge.io.formats.files import folder_file
 from specmerge.io.formats.names import ADAPTER_CONFIG, ADAPTER_FILES, PEFT_PREFIX, lora_key
-from specmerge.io.formats.protocol import Closing, SourceError, TensorInfo, TensorSource
-from specmerge.io.formats.sources import open_source
+from specmerge.io.formats.peft_fields import AdapterError, check_fields
+from specmerge.io.formats.protocol import Closing, TensorInfo, TensorSource
+from specmerge.io.formats.sources import open_stored
 from specmerge.linalg.lowrank import AdapterFactors, LoraDelta
 
 _KEY = re.compile(rf"^(?:{re.escape(PEFT_PREFIX)})?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
 # peft.LoraConfig's defaults (peft 0.21, tuners/lora/config.py) for the keys that set the delta.
 PEFT_DEFAULTS = {"r": 8, "lora_alpha": 8, "use_rslora": False, "fan_in_fan_out": False}
-
-
-class AdapterError(SourceError):
-    """A PEFT adapter that cannot be read or does not fit the base model."""
 
 
 class AdapterConfigWarning(SpecmergeWarning):
@@ -190,17 +187,7 @@ class LoraAdapter(Closing):
         kind = self.config.get("peft_type")
         if kind != "LORA":
             raise AdapterError(f"{config_file}: PEFT type {kind!r} is not supported; specmerge merges LoRA adapters")
-        for key, what in (("use_dora", "DoRA"), ("lora_bias", "LoRA biases")):
-            if self.config.get(key):
-                raise AdapterError(
-                    f"{config_file}: {what} adapters are not supported (their update is not a low-rank delta "
-                    "of the base weights); merge them into the model with PEFT's merge_and_unload first"
-                )
-        if self.config.get("modules_to_save") or self.config.get("trainable_token_indices"):
-            raise AdapterError(
-                f"{config_file}: modules_to_save / trainable tokens replace whole base tensors and are not supported "
-                "yet; merge the adapter into the model with PEFT's merge_and_unload and pass the full checkpoint"
-            )
+        check_fields(self.config, config_file)
 
     def _read_modules(self) -> dict[str, LoraModule]:
         factors: dict[str, dict[str, TensorInfo]] = {}
@@ -386,7 +373,7 @@ def open_adapter(path: str | os.PathLike) -> LoraAdapter:
     if weights is None:
         raise AdapterError(f"{folder}: no adapter weights ({' or '.join(ADAPTER_FILES)})")
     folder_file(weights, folder)
-    return LoraAdapter(folder, config, open_source(weights), config_file=real_config)
+    return LoraAdapter(folder, config, open_stored(weights), config_file=real_config)  # its own checks
 
 
 def config_object(config: Any, name: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,8 @@ class ShardedSource(Closing):
         self._infos: dict[str, TensorInfo] | None = None
         self._where: dict[str, Path] = {}
         self._lock = threading.RLock()
+        # run once on the tensors' infos when they are first read, before any tensor is given out (they raise)
+        self.checks: list[Callable[[dict[str, TensorInfo]], None]] = []
 
     def describe(self) -> str:
         if len(self._files) == 1 and self._files[0] == self.path:
@@ -53,7 +55,10 @@ class ShardedSource(Closing):
     def infos(self) -> dict[str, TensorInfo]:
         with self._lock:
             if self._infos is None:
-                self._infos, self._where = self._collect_infos()
+                infos, where = self._collect_infos()
+                for check in self.checks:
+                    check(infos)
+                self._infos, self._where = infos, where
             return dict(self._infos)
 
     def info(self, name: str) -> TensorInfo:

@@ -32,11 +32,26 @@ from specmerge.io.formats.protocol import SourceError, TensorSource
 from specmerge.io.formats.safetensors_format import SafetensorsSource
 from specmerge.io.formats.sharded import ShardedSource
 from specmerge.io.formats.torch_format import TorchSource
+from specmerge.io.quant.source import dequantized
 
 
 def open_source(path: str | os.PathLike) -> TensorSource:
-    """Open a checkpoint lazily: a safetensors file, a Hugging Face model folder, an index file or a .bin file."""
+    """Open a checkpoint lazily: a safetensors file, a Hugging Face model folder, an index file or a .bin file.
+
+    A checkpoint whose config.json states a quantization is read as the dense model it stands for
+    (:func:`specmerge.io.quant.source.dequantized`); one that holds quantized tensors it cannot read exactly is
+    refused here, before any work."""
     path = Path(path).expanduser()
+    source = open_stored(path)
+    try:
+        return dequantized(source, path)
+    except BaseException:
+        source.close()
+        raise
+
+
+def open_stored(path: Path) -> TensorSource:
+    """The reader of the tensors stored at ``path``, as stored (quantized codes included)."""
     try:
         mode = os.stat(path).st_mode
     except OSError as err:

@@ -169,19 +169,19 @@ def hub_offline() -> bool:
 def announce_inputs(enabled: bool, stream: TextIO | None = None) -> Iterator[None]:
     """While the block runs, print each input resolution (and each folder created for the output, logger
     ``specmerge.output``) as ``specmerge: <line>`` on ``stream`` (default: stderr) and let downloads show their
-    progress bars; with ``enabled`` False, neither."""
+    progress bars; with ``enabled`` False, neither (not even warnings: ``--quiet`` prints errors only, and
+    report.json keeps what the warnings say)."""
     quiet = _QUIET.set(not enabled)
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler = logging.StreamHandler(stream or sys.stderr) if enabled else logging.NullHandler()
     handler.setFormatter(logging.Formatter("specmerge: %(message)s"))
     shown: set[str] = set()  # a spec seen twice (made absolute, then resolved) is said once
     handler.addFilter(lambda record: not (record.getMessage() in shown or shown.add(record.getMessage())))
     loggers = (LOG, logging.getLogger(OUTPUT_LOG))
     saved = [(log.level, log.propagate) for log in loggers]
-    if enabled:
-        for log in loggers:
-            log.addHandler(handler)
-            log.setLevel(logging.INFO)
-            log.propagate = False
+    for log in loggers:
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
     try:
         yield
     finally:

@@ -12,18 +12,21 @@ weights were written in and, when the vocabulary changed, its number of rows.
 from __future__ import annotations
 
 import fnmatch
+import logging
 import math
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from stat import S_ISREG
+from typing import Any
 
 import torch
 
 from specmerge.io.formats.files import folder_file, read_json, write_json
 from specmerge.io.formats.names import CONFIG_FILE
 from specmerge.io.formats.protocol import SourceError, TensorInfo
+from specmerge.io.output.folder import OUTPUT_LOG
 
 # Files of a Hugging Face folder that are not weights and that a merged model needs (top level only): those that go
 # with the config (the model's architecture, generation settings, processors, remote code) ...
@@ -54,7 +57,11 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json")
 
 
 def write_output_config(
-    out_dir: str | os.PathLike, weights: Iterable[TensorInfo], *, vocab_size: int | None = None
+    out_dir: str | os.PathLike,
+    weights: Iterable[TensorInfo],
+    *,
+    vocab_size: int | None = None,
+    quantization: Mapping[str, Any] | None = None,
 ) -> str | None:
     """Make ``out_dir/config.json`` state the dtype the weights were written in; return it (None: nothing to do).
 
@@ -66,6 +73,11 @@ def write_output_config(
     config's input) goes in ``vocab_size`` at the top level (unless only a nested ``text_config`` states it, as in
     vision-language configs) and in ``text_config.vocab_size`` where that exists. The file is rewritten only if this
     changes it; a missing config, or one that is not a JSON object, is left as it is.
+
+    A ``quantization_config`` (or ``compression_config``) taken over from a quantized input is removed
+    (transformers would otherwise read the dense weights as quantized ones), and the console says so; with
+    ``quantization`` (the weights written quantized, ``weights`` then being the dense tensors they stand for) it
+    becomes the config's ``quantization_config``.
     """
     counts: dict[torch.dtype, int] = {}
     for info in weights:
@@ -76,13 +88,34 @@ def write_output_config(
     if not counts or not isinstance(config, dict):
         return None
     name = str(max(counts, key=counts.__getitem__)).removeprefix("torch.")
-    stated = _state_dtype(config, name, nested=len(counts) == 1)
+    stated = _without_quantization(_state_dtype(config, name, nested=len(counts) == 1), name, quantization is None)
+    if quantization is not None:
+        stated["quantization_config"] = dict(quantization)
     stated["torch_dtype"] = name
     if vocab_size is not None:
         stated = _state_vocab_size(stated, vocab_size)
     if stated != config:
         write_json(path, stated, indent=2)
     return name
+
+
+QUANTIZATION_KEYS = ("quantization_config", "compression_config")
+
+
+def _without_quantization(config: dict, dtype: str, say: bool = True) -> dict:
+    """``config`` without its quantization sections (top level and sub-configs), said on the console."""
+    stated = {}
+    for key, value in config.items():
+        if key in QUANTIZATION_KEYS:
+            if not say:
+                continue
+            method = value.get("quant_method", "?") if isinstance(value, dict) else "?"
+            logging.getLogger(OUTPUT_LOG).info(
+                f"the merged weights are written dense ({dtype}): config.json's {key} ({method}) is not carried over"
+            )
+            continue
+        stated[key] = _without_quantization(value, dtype, say) if isinstance(value, dict) else value
+    return stated
 
 
 def _state_vocab_size(config: dict, rows: int) -> dict:

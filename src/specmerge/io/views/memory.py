@@ -27,6 +27,7 @@ import torch
 
 from specmerge.io.formats.peft import AdapterError, LoraAdapter
 from specmerge.io.formats.protocol import Closing, SourceError, TensorInfo, no_such_tensor
+from specmerge.io.quant.detect import quantized_marker, unstated
 from specmerge.io.views.experts import AdapterExpert
 
 # Name components of the tensors PEFT adds to a model (LoRA factors, DoRA magnitudes, modules_to_save copies).
@@ -82,6 +83,12 @@ def _storage_key(tensor: torch.Tensor) -> tuple | None:
     )
 
 
+MEMORY_FIX = (
+    "a state dict in memory is merged as plain weights: dequantize the model first (transformers: load it with "
+    "the quantization config's dequantize option, or merge the checkpoint folder, which specmerge dequantizes)"
+)
+
+
 class MemorySource(Closing):
     """A mapping of names to tensors read as a checkpoint (see the module docstring). ``label`` names it in
     messages (``path`` is ``Path(label)``); the mapping is copied, the tensors are not."""
@@ -102,6 +109,9 @@ class MemorySource(Closing):
                 first[key] = name
             self._tensors[name] = tensor
         self._infos = {n: TensorInfo(n, tuple(t.shape), t.dtype) for n, t in self._tensors.items()}
+        marker = quantized_marker(self._infos)
+        if marker is not None:  # a quantized model's state dict: its codes are not weights
+            raise unstated(label, *marker, fix=MEMORY_FIX)
 
     def infos(self) -> dict[str, TensorInfo]:
         return dict(self._infos)

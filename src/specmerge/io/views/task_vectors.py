@@ -50,6 +50,10 @@ class Dense:
         """The other orientation (a view)."""
         return Dense(self.weight.T)
 
+    def select(self, index: int) -> Dense:
+        """Entry ``index`` of a stack (dim 0): one expert's weight of an MoE stack (a view)."""
+        return Dense(self.weight[index])
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The tensors read from the expert's files (checked for NaN and Inf)."""
         return (self.weight,)
@@ -83,6 +87,10 @@ class LowRank:
         """The other orientation: (s B A)^T = s A^T B^T (views)."""
         return LowRank(LoraDelta(self.delta.A.T, self.delta.B.T, self.delta.scale))
 
+    def select(self, index: int) -> LowRank:
+        """A LoRA delta is 2-D: it is no stack."""
+        raise ValueError("a LoRA delta is one 2-D matrix, not a stack of experts' weights")
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.delta.B, self.delta.A)
 
@@ -111,6 +119,9 @@ class Zero:
 
     def transposed(self) -> Zero:
         return Zero(tuple(self.shape[::-1]))
+
+    def select(self, index: int) -> Zero:
+        return Zero(tuple(self.shape[1:]))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return ()

@@ -167,7 +167,12 @@ def route_operations(
     stack = (n, *shape)
     fill = passes(dense_in, x, in_size + 4 * e) + lora + passes(n, x, e)  # W_i converted, W_0 out; finite check
     oriented = (n, *shape[::-1]) if entry.transposed and len(shape) == 2 else stack
-    ops = base + fill + method_operations(entry, oriented, e) + passes(4, x, e) + finish  # norm, + W_0
+    if entry.stacked and len(shape) == 3:  # E linear layers, one after the other
+        one = (n, *shape[:0:-1]) if entry.transposed else (n, *shape[1:])
+        merging = method_operations(entry, one, e).times(shape[0])
+    else:
+        merging = method_operations(entry, oriented, e)
+    ops = base + fill + merging + passes(4, x, e) + finish  # norm, + W_0
     return ops + Operations(workspace=ops.workspace + (n + 2) * x * e)
 
 

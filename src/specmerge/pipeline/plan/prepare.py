@@ -13,16 +13,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specmerge.io.formats.layout import transposed_weights
+from specmerge.io.formats.layout import read_config, transposed_weights
 from specmerge.io.formats.protocol import TensorSource
+from specmerge.io.formats.stacks import expert_stacks
 from specmerge.io.hub.ids import InputResolution
 from specmerge.io.output.model_files import config_files, tokenizer_files
 from specmerge.io.output.readme import read_license
+from specmerge.io.quant.source import quantization_note
 from specmerge.io.views.experts import Expert
 from specmerge.io.views.vocab import VocabularyPlan
 from specmerge.pipeline.inputs.align import align_inputs
+from specmerge.pipeline.inputs.configs import adapter_bases, compare_configs
 from specmerge.pipeline.inputs.open import input_notes, open_inputs, resolve_inputs
-from specmerge.pipeline.plan.rules import TensorPlan, check_lora_output, make_plan, summarize
+from specmerge.pipeline.plan.lora_output import check_lora_output
+from specmerge.pipeline.plan.rules import TensorPlan, make_plan, summarize
 from specmerge.pipeline.recipe.model import Recipe
 
 
@@ -42,6 +46,7 @@ class PreparedMerge:
     notes: dict[str, Any] = field(default_factory=dict)
     inputs: list[InputResolution] = field(default_factory=list)  # where the base and experts were found, in order
     vocabulary: VocabularyPlan | None = None  # the output's vocabulary and tokenizer (None: the base's files)
+    base_quantized: Any = None  # the base's QuantizedSource when it is a quantized checkpoint (quantize: same)
 
 
 def prepare_merge(stack: ExitStack, recipe: Recipe, output: str | Path | None) -> PreparedMerge:
@@ -50,6 +55,9 @@ def prepare_merge(stack: ExitStack, recipe: Recipe, output: str | Path | None) -
     resolved = resolve_inputs(recipe.base, recipe.experts)  # hub ids -> their cache snapshots
     base_path, expert_paths = resolved[0].path, [r.path for r in resolved[1:]]
     base, experts = open_inputs(stack, recipe.base, recipe.experts, output, resolved)
+    quantization = [quantization_note(item) for item in (base, *experts)]  # before the views wrap them
+    experts_opened, base_opened = list(experts), base
+    config_notes = compare_configs(recipe, base_path, expert_paths)  # experts not of the base's architecture
     aligned = align_inputs(recipe, base, experts, base_path, expert_paths)  # one set of names, own modules
     base, experts, config_path = aligned.base, aligned.experts, aligned.config_path
     if recipe.output_format == "model":  # the files copied at the end, checked before any work
@@ -57,16 +65,26 @@ def prepare_merge(stack: ExitStack, recipe: Recipe, output: str | Path | None) -
         if aligned.vocabulary is not None and aligned.vocabulary.tokenizer_from is not None:
             tokenizer_files(aligned.vocabulary.tokenizer_from)
     transposed = transposed_weights(config_path, base.infos(), experts)
+    stacks = expert_stacks(read_config(config_path), base.infos())
     plan = make_plan(
-        recipe, base.infos(), [e.infos() for e in experts], list(recipe.experts), transposed, own=aligned.own
+        recipe, base.infos(), [e.infos() for e in experts], list(recipe.experts), transposed, aligned.own, stacks
     )
     if recipe.output_format == "lora":
         check_lora_output(recipe, plan, experts)
     license = read_license(base_path)  # for the model card (a README.md linked out of the folder is refused here)
-    notes = {"inputs": input_notes(recipe, resolved, output), **aligned.notes}
+    inputs = [
+        {**note, "quantization": quant} if quant else note
+        for note, quant in zip(input_notes(recipe, resolved, output), quantization, strict=True)
+    ]
+    notes = {"inputs": inputs, **aligned.notes, **({"config_differences": config_notes} if config_notes else {})}
+    keys = list(recipe.expert_keys or recipe.experts)
+    other_bases = adapter_bases(recipe.experts, keys, experts_opened, resolved[0])
+    if other_bases:
+        notes["adapters_of_other_bases"] = other_bases
     if license:
         notes["license"] = license
     summary = summarize(plan)
     return PreparedMerge(
-        recipe, base, experts, plan, summary, base_path, expert_paths, config_path, notes, resolved, aligned.vocabulary
-    )
+        recipe, base, experts, plan, summary, base_path, expert_paths, config_path, notes, resolved, aligned.vocabulary,
+        base_opened if quantization[0] else None,
+    )  # fmt: skip

@@ -9,6 +9,9 @@ paper (merge the 2-D linear weights, average the rest):
 2. Overrides, in recipe order; the first whose fnmatch ``pattern`` matches the name wins.
    ``keep_base`` and ``average`` as given; ``merge`` uses the override's method and params, or the
    recipe's. A method that needs 2-D weights on a tensor that is not 2-D is an error.
+2b. Stacks of experts' weights (3-D ``[E, ., .]`` of MoE blocks, :mod:`specmerge.io.formats.stacks`): ``merge``
+   with the method, slice by slice as E linear layers (``stacked``; ``transposed`` when slices are (in, out)); a
+   matrix method refuses a stack whose layout the model's config does not tell, instead of averaging it.
 3. Embeddings and output heads (:func:`is_embedding`: ``embed_tokens``, ``wte``, ``lm_head``, ``shared``,
    CLIP ``patch_embedding``, ...): ``recipe.non_matrix``, unless ``recipe.merge_embeddings``, in which case
    they follow rules 4-5 like any other tensor.
@@ -55,7 +58,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from specmerge.errors import SpecmergeError, closest_name
-from specmerge.methods import Method, all_methods, get_method
+from specmerge.methods import Method, get_method
 from specmerge.pipeline.recipe.layered import at_position, is_layered, layer_positions
 from specmerge.pipeline.recipe.model import DTYPES, Recipe
 
@@ -101,6 +104,7 @@ class TensorPlan:
     transposed: bool = (
         False  # stored (in, out), a Conv1D weight (specmerge.io.formats.layout): matrix methods see its transpose
     )
+    stacked: bool = False  # [E, ., .]: E experts' linear weights (specmerge.io.formats.stacks), merged one by one
 
 
 class PlanError(SpecmergeError):
@@ -115,11 +119,20 @@ def is_embedding(name: str) -> bool:
 
 
 def default_action(
-    name: str, shape: Sequence[int], dtype: torch.dtype, method: Method, recipe: Recipe
+    name: str,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    method: Method,
+    recipe: Recipe,
+    stack: bool | Literal["no"] | None = "no",
 ) -> tuple[Action, str]:
-    """The action and reason for a tensor no override matches (rules 1 and 3-5 of the module docstring)."""
+    """The action and reason for a tensor no override matches (rules 1 and 3-5 of the module docstring).
+    ``stack``: "no", or the orientation of an expert stack's slices (True: (in, out); None: unknown)."""
     if not dtype.is_floating_point:
         return "keep_base", "not floating point"
+    if stack != "no":
+        check_stack(name, shape, method, stack)
+        return "merge", STACK_REASON
     kind = _kind(name, len(shape))
     if is_embedding(name):
         if not recipe.merge_embeddings:
@@ -131,6 +144,20 @@ def default_action(
     return recipe.non_matrix, kind
 
 
+STACK_REASON = "expert stack (E linear layers)"
+
+
+def check_stack(name: str, shape: Sequence[int], method: Method, stack: bool | None) -> None:
+    """Refuse a matrix method on an expert stack whose slices' orientation the model's config does not tell."""
+    if stack is None and method.needs_matrix:
+        raise PlanError(
+            f"tensor '{name}' of shape {tuple(shape)} is a stack of {shape[0]} experts' weights, and the config's "
+            "model type is not one whose stacks specmerge knows the layout of (specmerge.io.formats.stacks), so "
+            f"'{method.name}', which needs each expert's weight as (out, in), cannot merge it: use an elementwise "
+            f"method, or average it with an override {{pattern: '{name}', action: average}}"
+        )
+
+
 def make_plan(
     recipe: Recipe,
     base: Mapping[str, TensorInfoLike],
@@ -138,14 +165,17 @@ def make_plan(
     expert_paths: Sequence[str],
     transposed: Collection[str] = (),
     own: Mapping[str, str] | None = None,
+    stacks: Mapping[str, bool | None] | None = None,
 ) -> list[TensorPlan]:
     """One :class:`TensorPlan` per base tensor, in the base's order; checks the experts fit the base.
 
     ``transposed`` names the 2-D weights stored (in, out) (:func:`specmerge.io.formats.layout.transposed_weights`).
     ``own`` maps the tensors of the experts' own modules that ``base`` serves (:mod:`specmerge.pipeline.inputs.align`)
     to their reason: they are kept as read, whatever the overrides say, and no expert is checked for them.
+    ``stacks`` maps the 3-D stacks of experts' weights (:func:`specmerge.io.formats.stacks.expert_stacks`) to their
+    slices' orientation: a merge treats each as E linear layers (``TensorPlan.stacked``).
     """
-    own = own or {}
+    own, stacks = own or {}, stacks or {}
     if len(experts) != len(expert_paths):
         raise PlanError(f"make_plan got {len(experts)} experts but {len(expert_paths)} expert paths")
     method = get_method(recipe.method)
@@ -160,7 +190,10 @@ def make_plan(
             out_dtype = DTYPES[recipe.dtype] if recipe.dtype != "auto" and info.dtype.is_floating_point else info.dtype
             plan.append(TensorPlan(name, shape, out_dtype, "keep_base", None, {}, own[name]))
             continue
-        entry = _plan_tensor(name, shape, info.dtype, method, recipe, average_params, used)
+        stack = stacks.get(name, "no")
+        entry = _plan_tensor(name, shape, info.dtype, method, recipe, average_params, used, stack)
+        if stack != "no" and entry.action == "merge":
+            entry = dataclasses.replace(entry, stacked=True, transposed=bool(stack))
         if is_layered(entry.params):  # a value per layer position: this tensor's
             entry = dataclasses.replace(entry, params=_at_layer(entry, positions[name], len(experts)))
         if entry.action == "average" and recipe.expert_weights and sum(recipe.expert_weights) == 0:
@@ -256,40 +289,6 @@ def summarize(plan: Sequence[TensorPlan]) -> dict[str, Any]:
     return summary
 
 
-def check_lora_output(recipe: Recipe, plan: Sequence[TensorPlan], experts: Sequence[Any]) -> None:
-    """Refuse, before anything is written, what cannot become a PEFT adapter (``output_format: lora``).
-
-    Every expert must be a LoRA adapter (:class:`specmerge.io.views.experts.AdapterExpert`), all agreeing on
-    ``fan_in_fan_out``; without ``max_rank`` every merged tensor that an adapter changes needs a method with an
-    exact factored form (``Method.factored``), since a densifying method's result is not low-rank.
-    """
-    full = [str(e.path) for e in experts if not e.low_rank]
-    if full:
-        raise PlanError(
-            f"output_format lora needs every expert to be a LoRA adapter, but '{full[0]}' is a full checkpoint: "
-            "write a merged model instead (output_format model)"
-        )
-    if len({e.fan_in_fan_out for e in experts}) > 1:
-        raise PlanError("the adapters disagree on fan_in_fan_out: they were not trained on the same base model")
-    for entry in plan:
-        if entry.action == "merge" and get_method(entry.method).needs_base:
-            raise PlanError(
-                f"method '{entry.method}' (tensor '{entry.name}') merges whole weights and needs the base's; "
-                "an adapter holds only deltas: write a merged model instead (output_format model)"
-            )
-    if recipe.max_rank is not None:
-        return
-    for entry in plan:
-        densified = entry.action == "merge" and not get_method(entry.method).factored
-        if densified and any(e.changes(entry.name) for e in experts):
-            factored = ", ".join(sorted(name for name, m in all_methods().items() if m.factored))
-            raise PlanError(
-                f"method '{entry.method}' (tensor '{entry.name}') densifies LoRA experts, so its result is not "
-                "low-rank: give max_rank (--max-rank K) to write its best rank-K approximation, or use a "
-                f"method with an exact factored form ({factored})"
-            )
-
-
 def _at_layer(entry: TensorPlan, t: float | None, n: int) -> dict[str, Any]:
     """The params of ``entry`` at layer position ``t`` (:mod:`specmerge.pipeline.recipe.layered`), validated again: a
     value between two valid ones may still break a joint condition of the method."""
@@ -310,6 +309,7 @@ def _plan_tensor(
     recipe: Recipe,
     average_params: dict[str, float],
     used: list[bool],
+    stack: bool | Literal["no"] | None = "no",
 ) -> TensorPlan:
     out_dtype = DTYPES[recipe.dtype] if recipe.dtype != "auto" and dtype.is_floating_point else dtype
     if not dtype.is_floating_point:
@@ -323,14 +323,16 @@ def _plan_tensor(
             params = dict(average_params) if override.action == "average" else {}
             return TensorPlan(name, shape, out_dtype, override.action, None, params, reason)
         chosen = get_method(override.method or recipe.method)
-        if chosen.needs_matrix and len(shape) != 2:
+        if stack != "no":
+            check_stack(name, shape, chosen, stack)
+        elif chosen.needs_matrix and len(shape) != 2:
             raise PlanError(
                 f"override '{override.pattern}' merges tensor '{name}' of shape {shape} with '{chosen.name}', "
                 "which needs 2-D weights: narrow the pattern (e.g. to '*.weight'), or use action average "
                 "or an elementwise method"
             )
         return TensorPlan(name, shape, out_dtype, "merge", chosen.name, dict(override.params), reason)
-    action, reason = default_action(name, shape, dtype, method, recipe)
+    action, reason = default_action(name, shape, dtype, method, recipe, stack)
     if action == "merge":
         return TensorPlan(name, shape, out_dtype, "merge", method.name, dict(recipe.params), reason)
     params = dict(average_params) if action == "average" else {}

@@ -51,6 +51,7 @@ from specmerge.pipeline.recipe.tokenizer_source import TOKENIZER_SOURCE_HELP, UN
 from specmerge.pipeline.recipe.values import (
     ADDRESS_HELP,
     EXECUTOR_HELP,
+    QUANTIZE_HELP,
     Device,
     Flag,
     dtype_name,
@@ -156,6 +157,7 @@ class Recipe(BaseModel):
         default="5GB",
         description="largest output shard: bytes, or 500MB / 2GB (powers of 1000) / 1.5GiB (powers of 1024)",
     )
+    quantize: Literal["none", "fp8-block", "same"] = Field(default="none", description=QUANTIZE_HELP)
     output_format: Literal["model", "lora"] = Field(
         default="model",
         description="model: a merged model folder; lora: a PEFT adapter (every expert a LoRA adapter), exact "
@@ -333,6 +335,8 @@ class Recipe(BaseModel):
     def _lora_only_options(self) -> Recipe:
         if self.max_rank is not None and self.output_format != "lora":
             raise RecipeError("max_rank applies only to output_format lora; remove it or set output_format: lora")
+        if self.quantize != "none" and self.output_format != "model":
+            raise RecipeError("quantize applies to a merged model (output_format model), not to an adapter")
         if self.address is not None and self.executor != "ray":
             raise RecipeError(
                 "address is a Ray cluster's: it applies only to executor ray; remove it or set executor: ray"

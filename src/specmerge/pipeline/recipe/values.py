@@ -45,6 +45,10 @@ EXECUTOR_HELP = (
     "what runs the work: local (this process: read ahead, compute, write behind) or ray (Ray tasks over the CPUs "
     "and GPUs of this machine or a cluster; pip install 'specmerge[ray]'); the output is the same bits"
 )
+QUANTIZE_HELP = (
+    "the merged model's weights: none (dense), fp8-block (float8 codes with a scale per 128 x 128 block, as "
+    "DeepSeek-V3 ships), same (the base's fp8 scheme); the quantization error is reported"
+)
 ADDRESS_HELP = "with executor ray: the cluster to use (auto, or ray://host:10001); default a local one for the merge"
 
 # Dtype spellings people type (mergekit's bf16/fp16, torch's torch.float32) -> the names a recipe holds.

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import time
@@ -24,17 +25,20 @@ from specmerge.errors import RecipeError
 from specmerge.io.formats.peft import adapter_config, write_adapter
 from specmerge.io.formats.protocol import TensorInfo
 from specmerge.io.hub.ids import absolute_spec
-from specmerge.io.output.folder import atomic_directory, check_output
+from specmerge.io.output.folder import OUTPUT_LOG, atomic_directory, check_output
 from specmerge.io.output.model_files import copy_config_files, copy_tokenizer_files, write_output_config
 from specmerge.io.output.writer import ShardWriter
+from specmerge.io.quant.output import OutputQuantizer
 from specmerge.linalg.solve import LayerProjections
 from specmerge.methods import get_method
 from specmerge.pipeline.inputs.open import portable_recipe, portable_spec, refuse_output_inside_inputs
+from specmerge.pipeline.inputs.related import check_related
 from specmerge.pipeline.plan.prepare import PreparedMerge, prepare_merge
 from specmerge.pipeline.recipe.model import DTYPES, Recipe
 from specmerge.pipeline.run.card import card_for
 from specmerge.pipeline.run.executor import StreamingExecutor
 from specmerge.pipeline.run.jobs import AdapterJob, ComputeOptions, ModelJob
+from specmerge.pipeline.run.quantized_output import output_quantizer
 from specmerge.pipeline.run.threads import check_threads, merge_threads
 from specmerge.pipeline.run.work import Executor, TensorReport
 from specmerge.version import __version__
@@ -153,6 +157,10 @@ def run_recipe(
     with ExitStack() as stack:
         threads_used = stack.enter_context(merge_threads(threads))  # torch's count restored on leaving
         prepared = prepare_merge(stack, recipe, output)
+        keys = list(recipe.expert_keys or recipe.experts)
+        related = check_related(prepared.plan, prepared.base, prepared.experts, list(recipe.experts), keys)
+        if related:
+            prepared.notes["relatedness"] = related
         size = prepared.summary["bytes"] if recipe.output_format == "model" else None  # for a full disk's message
         with atomic_directory(output, overwrite=overwrite, expected_bytes=size) as folder:
             if recipe.output_format == "lora":
@@ -187,30 +195,45 @@ def _write_model(
     layers: Mapping[str, LayerProjections] | None = None,
 ) -> tuple[list[TensorReport], dict]:
     plan = prepared.plan
-    with shard_writer(prepared, folder, fsync) as writer:  # closes (index, completeness check) on success, else aborts
+    quantizer = output_quantizer(prepared)  # None: written dense
+    with shard_writer(prepared, folder, fsync, quantizer) as writer:  # closes (index, check) on success, else aborts
+        write = writer.write if quantizer is None else quantizer.sink(writer.write, {p.name: p.shape for p in plan})
         job = ModelJob(
-            plan, prepared.base, prepared.experts, writer.write, options,
+            plan, prepared.base, prepared.experts, write, options,
             fsync=fsync, layers=layers, recipe=prepared.recipe, shards=writer,
         )  # fmt: skip
         reports = executor.run(job, progress=progress)
-    model_files(prepared, folder)
-    return reports, {}
+    model_files(prepared, folder, None if quantizer is None else quantizer.config)
+    if quantizer is None:
+        return reports, {}
+    summary = quantizer.summary()
+    worst = summary["largest"]
+    logging.getLogger(OUTPUT_LOG).info(
+        f"wrote {summary['weights']} weights in fp8 ({prepared.recipe.quantize}): largest relative error "
+        f"{worst['relative_error']:.2e} ('{worst['tensor']}'), each in report.json"
+    )
+    return reports, {"quantization": summary}
 
 
-def shard_writer(prepared: PreparedMerge, folder: Path, fsync: bool) -> ShardWriter:
-    """The writer of a merged model's shards into ``folder``: every planned tensor, the recipe's shard size."""
+def shard_writer(
+    prepared: PreparedMerge, folder: Path, fsync: bool, quantizer: OutputQuantizer | None = None
+) -> ShardWriter:
+    """The writer of a merged model's shards into ``folder``: every planned tensor (as ``quantizer`` stores it, when
+    given), the recipe's shard size."""
     recipe = prepared.recipe
+    infos = [TensorInfo(p.name, p.shape, p.out_dtype) for p in prepared.plan]
     return ShardWriter(
         folder,
-        [TensorInfo(p.name, p.shape, p.out_dtype) for p in prepared.plan],
+        infos if quantizer is None else quantizer.stored(infos),
         max_shard_bytes=recipe.shard_bytes,
         metadata={"merged_with": f"specmerge {__version__}", "method": recipe.method},
         fsync=fsync,
     )
 
 
-def model_files(prepared: PreparedMerge, folder: Path) -> None:
-    """A merged model's files beside its shards: the config (its vocabulary size and dtype updated) and tokenizer."""
+def model_files(prepared: PreparedMerge, folder: Path, quantization: Mapping[str, Any] | None = None) -> None:
+    """A merged model's files beside its shards: the config (its vocabulary size and dtype updated, and
+    ``quantization`` as its quantization_config when the weights are written quantized) and tokenizer."""
     copy_config_files(prepared.config_path, folder)
     vocabulary = prepared.vocabulary  # the tokenizer: the base's files, an expert's, or the union written
     if vocabulary is None:
@@ -218,7 +241,8 @@ def model_files(prepared: PreparedMerge, folder: Path) -> None:
     else:
         vocabulary.write_tokenizer(folder)
     rows = None if vocabulary is None else vocabulary.rows
-    write_output_config(folder, [TensorInfo(p.name, p.shape, p.out_dtype) for p in prepared.plan], vocab_size=rows)
+    infos = [TensorInfo(p.name, p.shape, p.out_dtype) for p in prepared.plan]
+    write_output_config(folder, infos, vocab_size=rows, quantization=quantization)
 
 
 def record_output(

@@ -127,6 +127,10 @@ def merged_delta(
     if which == "unchanged":
         return None, {"route": "unchanged"}
     method = get_method(entry.method) if entry.action == "merge" else None
+    if entry.stacked and method is not None and not method.linear:
+        return stacked_delta(
+            entry, base_c, values, device=device, compute_dtype=compute_dtype, expert_keys=expert_keys, weights=weights
+        )
     if entry.transposed and method is not None and method.needs_matrix:
         oriented = dataclasses.replace(entry, shape=entry.shape[::-1], transposed=False)
         delta, diagnostics = merged_delta(
@@ -166,6 +170,30 @@ def merged_delta(
     )  # fmt: skip
     del stack
     return result.delta, {**result.diagnostics, "route": "dense"}
+
+
+def stacked_delta(
+    entry: TensorPlan,
+    base_c: torch.Tensor | None,
+    values: Sequence[TaskVector],
+    **options: Any,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The merged delta of a stack of E experts' weights ``[E, ., .]`` (``entry.stacked``), merged as E linear
+    layers: slice e is :func:`merged_delta` of slice e of every task vector, as a 2-D entry named ``<name>[e]`` (so
+    seeded methods draw each slice's own masks) in the slices' orientation (``entry.transposed``). A linear method
+    gives the same either way and is not split (see :func:`merged_delta`)."""
+    shape = entry.shape if base_c is None else tuple(base_c.shape)
+    out = torch.zeros(shape, dtype=options["compute_dtype"], device=options["device"])
+    per_expert = []
+    for e in range(shape[0]):
+        part = dataclasses.replace(entry, name=f"{entry.name}[{e}]", shape=shape[1:], stacked=False)
+        delta, diagnostics = merged_delta(
+            part, None if base_c is None else base_c[e], [v.select(e) for v in values], **options
+        )
+        if delta is not None:
+            out[e].copy_(delta)
+        per_expert.append(diagnostics)
+    return out, {"route": "stacked", "experts": shape[0], "per_expert": per_expert}
 
 
 def checked_stack(

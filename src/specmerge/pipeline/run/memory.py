@@ -30,6 +30,7 @@ import torch
 from specmerge.errors import RecipeError
 from specmerge.io.formats.layout import weights_stored_in_out
 from specmerge.io.formats.protocol import SourceError
+from specmerge.io.formats.stacks import expert_stacks
 from specmerge.io.views.experts import CheckpointExpert, Expert
 from specmerge.io.views.memory import (
     MemoryAdapterExpert,
@@ -205,7 +206,8 @@ def memory_plan(
         if isinstance(expert, CheckpointExpert) and isinstance(expert.source, MemorySource):
             check_ties(base.aliases, expert.source.aliases, f"expert '{key}'")
     transposed = weights_stored_in_out(config, base.infos(), experts)
-    return make_plan(recipe, base.infos(), [e.infos() for e in experts], keys, transposed)
+    stacks = expert_stacks(config, base.infos())
+    return make_plan(recipe, base.infos(), [e.infos() for e in experts], keys, transposed, stacks=stacks)
 
 
 def check_ties(base: Mapping[str, str], expert: Mapping[str, str], label: str) -> None:
