@@ -16,6 +16,7 @@ import stat
 from pathlib import Path
 
 from specmerge.io.formats.files import folder_file, regular_file, unusable
+from specmerge.io.formats.gguf_format import GGUF_SUFFIX
 from specmerge.io.formats.names import (
     ADAPTER_CONFIG,
     ADAPTER_FILES,
@@ -68,6 +69,12 @@ def open_stored(path: Path) -> TensorSource:
         return SafetensorsSource(path, [path])
     if path.suffix in TORCH_SUFFIXES:
         return TorchSource(path, [path])
+    if path.suffix == GGUF_SUFFIX:
+        raise SourceError(
+            f"{path}: a GGUF file is read as an expert only, in the names of a base given as a Hugging Face checkpoint "
+            "(the GGUF file does not say which names the model's architecture gives its tensors): give the base's "
+            "Hugging Face folder"
+        )
     raise SourceError(
         f"{path}: unsupported checkpoint file; expected .safetensors, a .safetensors.index.json, .bin or .pt"
     )

@@ -1,10 +1,10 @@
 """Experts of a base model, whatever their format: what each one changes, tensor by tensor.
 
-An expert is a fine-tuned full checkpoint (:class:`CheckpointExpert`, any format :func:`open_source`
-reads) or a PEFT LoRA adapter of the base (:class:`AdapterExpert`). Both follow :class:`Expert`: ``read(name,
-rows)`` gives the tensor's :data:`~specmerge.io.views.task_vectors.TaskVector` (dense W_i, low-rank s B A, or zero),
-``infos()`` the tensors it has (an adapter has every base tensor: those it does not adapt are the base's own),
-``files()`` the real files it reads. :func:`open_expert` opens either from a path.
+An expert is a fine-tuned full checkpoint (:class:`CheckpointExpert`, any format :func:`open_source` reads,
+or a GGUF file read in the base's names) or a PEFT LoRA adapter of the base (:class:`AdapterExpert`). Both follow
+:class:`Expert`: ``read(name, rows)`` gives the tensor's :data:`~specmerge.io.views.task_vectors.TaskVector`
+(dense W_i, low-rank s B A, or zero), ``infos()`` the tensors it has (an adapter has every base tensor: those it
+does not adapt are the base's own), ``files()`` the real files it reads. :func:`open_expert` opens either from a path.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
+from specmerge.io.formats.gguf_format import GGUF_SUFFIX, open_gguf
 from specmerge.io.formats.peft import LoraAdapter, is_adapter, open_adapter
 from specmerge.io.formats.protocol import Closing, Rows, TensorInfo, TensorSource, row_ranges
 from specmerge.io.formats.sources import open_source
@@ -170,6 +171,8 @@ class AdapterExpert(Closing):
 
 def open_expert(path: str | os.PathLike, base_infos: Mapping[str, TensorInfo]) -> CheckpointExpert | AdapterExpert:
     """An expert checkpoint (full weights) or PEFT LoRA adapter folder, checked against the base's tensors."""
+    if str(path).endswith(GGUF_SUFFIX) and os.path.isfile(path):  # named as the base names its tensors
+        return CheckpointExpert(open_gguf(path, base_infos))
     if not is_adapter(path):
         return CheckpointExpert(open_source(path))
     adapter = open_adapter(path)
