@@ -32,10 +32,6 @@ def with_config(adapter: Path, tmp_path: Path, **changes) -> Path:
 
 
 SET = {  # a value that turns each refused field on, as PEFT writes it
-    "use_dora": True,
-    "lora_bias": True,
-    "modules_to_save": ["lm_head"],
-    "trainable_token_indices": [3, 4],
     "megatron_config": {"tensor_model_parallel_size": 2},
     "velora_config": {"num_groups": 4},
     "kasa_config": {"r": 2},
@@ -84,6 +80,7 @@ def test_other_fields_that_change_the_adapter(adapter, tmp_path, changes, expect
         {"init_lora_weights": False},
         {"some_future_knob": False},
         {"use_dora": False, "modules_to_save": None, "layer_replication": None, "alora_invocation_tokens": None},
+        {"use_dora": True, "lora_bias": True},  # read as merge_and_unload makes them (tests/test_peft_variants.py)
         {"lora_dropout": 0.1, "layers_to_transform": [0], "exclude_modules": ["k_proj"], "eva_config": {"rho": 2}},
     ],
 )

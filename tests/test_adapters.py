@@ -120,8 +120,8 @@ def test_bad_adapters_are_refused(tmp_path):
         open_adapter(tmp_path / "ia3")
 
     make_adapter(tiny_llama, tmp_path / "dora", seed=3, r=2, lora_alpha=4, target_modules=["q_proj"], use_dora=True)
-    with pytest.raises(AdapterError, match="the adapter is DoRA: a learned magnitude"):
-        open_adapter(tmp_path / "dora")
+    with open_adapter(tmp_path / "dora") as dora:  # read since issue 48 (tests/test_peft_variants.py)
+        assert list(dora.variants.magnitude) == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
 
     # an adapter trained on another base: shapes do not match
     make_adapter(
@@ -143,7 +143,11 @@ def test_bad_adapters_are_refused(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:Setting `save_embedding_layers`")
-def test_lora_on_embeddings_is_refused_clearly(tmp_path):
+def test_lora_on_embeddings_is_read_as_the_embedding_delta(tmp_path):
+    """PEFT's lora_embedding_A [r, vocab] and lora_embedding_B [dim, r]: the embedding's delta is s (B A)^T."""
     make_adapter(tiny_llama, tmp_path / "emb", seed=6, r=2, lora_alpha=4, target_modules=["embed_tokens", "q_proj"])
-    with pytest.raises(AdapterError, match="LoRA on an embedding layer, which is not supported"):
-        open_adapter(tmp_path / "emb")
+    with open_adapter(tmp_path / "emb") as adapter:
+        delta = adapter.load("model.embed_tokens.weight")
+        A = adapter.load_stored("base_model.model.model.embed_tokens.lora_embedding_A")
+        B = adapter.load_stored("base_model.model.model.embed_tokens.lora_embedding_B")
+        torch.testing.assert_close(delta.dense(), 2.0 * (B @ A).T)  # scale = lora_alpha / r = 2

@@ -156,15 +156,15 @@ def test_bad_adapters_through_the_cli(family, tmp_path, capsys):
         transformers.LlamaForCausalLM.from_pretrained(root / "base"),
         peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]),
     ).save_pretrained(ia3)
-    dora = save_adapter(
-        root / "base", tmp_path / "dora", 3, r=2, lora_alpha=4, target_modules=["q_proj"], use_dora=True
-    )
+    alora = save_adapter(root / "base", tmp_path / "alora", 3, r=2, lora_alpha=4, target_modules=["q_proj"])
+    config = json.loads((alora / "adapter_config.json").read_text())
+    (alora / "adapter_config.json").write_text(json.dumps({**config, "alora_invocation_tokens": [5, 9]}))
     cases = [
         (other, "trained on another base"),
         (deeper, "which the base model does not have"),
         (no_config, "no adapter_config.json"),
         (ia3, "PEFT type 'IA3' is not supported"),
-        (dora, "the adapter is DoRA: a learned magnitude"),
+        (alora, "the adapter is an activated LoRA"),
     ]
     capsys.readouterr()  # transformers' own progress output while building the cases
     for bad, message in cases:

@@ -220,10 +220,15 @@ def edit(folder: Path, *, config=None, tensors=None) -> Path:
 W = "model.layers.0.self_attn.q_proj"
 HOSTILE = {
     "unknown-method": ("fp8-block", {"config": lambda c: c["quantization_config"].update(quant_method="hqq")}, "'hqq'"),
-    "bitsandbytes": (
+    "config-says-bitsandbytes": (
         "fp8-block",
         {"config": lambda c: c.update(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})},
-        "'bitsandbytes'",
+        "which the scheme does not account for (bitsandbytes)",
+    ),
+    "torchao": (
+        "fp8-block",
+        {"config": lambda c: c["quantization_config"].update(quant_method="torchao")},
+        "'torchao'",
     ),
     "no-config": ("fp8-block", {"config": lambda c: c.pop("quantization_config")}, "no quantization_config"),
     "config-disagrees": (

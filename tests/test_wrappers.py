@@ -14,7 +14,6 @@ import transformers
 import specmerge
 from multimodal_models import build_bert_set, perturbed
 from specmerge.errors import SpecmergeError
-from specmerge.io.formats.peft import AdapterError
 from specmerge.io.formats.sources import open_source
 from specmerge.io.views.name_map import NameMapError, find_name_map
 from tiny_models import llama_config, save_adapter
@@ -146,14 +145,13 @@ def test_adapters_hold_no_modules_of_their_own(tmp_path):
         _merge(paths, ["seq", "lora"], tmp_path / "out", config_source="lora")
     with pytest.raises(SpecmergeError, match=r"^modules 'score.\*': expert 'lora' is a LoRA adapter, which holds"):
         _merge(paths, ["seq", "lora"], tmp_path / "out", modules={"score.*": "lora"})
-    save_adapter(
+    saving = save_adapter(
         paths["base"], tmp_path / "saving", seed=4, r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]
     )
-    saving = r"'modules_to_save' is \[.lm_head.\]: the adapter is whole trained copies of base modules"
-    with pytest.raises(AdapterError, match=saving) as err:
-        _merge({**paths, "saving": tmp_path / "saving"}, ["seq", "saving"], tmp_path / "out")
-    assert "\n" not in str(err.value)
-    assert not (tmp_path / "out").exists()
+    # its saved lm_head is a copy of a base module (issue 48: merged, as merge_and_unload would), not an own module
+    report = _merge({**paths, "saving": saving}, ["lora", "saving"], tmp_path / "out", merge_embeddings=True)
+    assert "modules" not in report
+    assert {t["name"]: t["action"] for t in report["tensors"]}["lm_head.weight"] == "merge"
 
 
 def _llama_names(prefix: str = "", layers: int = 2) -> dict[str, tuple[int, ...]]:

@@ -12,10 +12,13 @@ number or a mapping of named numbers.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
+import os
 import shlex
+import signal
 import subprocess
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -33,7 +36,7 @@ class EvaluationError(ValueError):
 def score_of(value: Any, metric: str | None, source: str) -> tuple[float, dict[str, float]]:
     """(the score, every named number) from what an evaluation gave: a number, or a mapping with ``metric``."""
     if isinstance(value, Mapping):
-        numbers = {str(k): float(v) for k, v in value.items() if _number(v)}
+        numbers = {str(k): _float(v) for k, v in value.items() if _number(v)}
         if metric is None:
             if len(numbers) != 1:
                 raise EvaluationError(f"{source} gave {dict(value)}: name the score with --metric (one of "
@@ -43,7 +46,7 @@ def score_of(value: Any, metric: str | None, source: str) -> tuple[float, dict[s
             raise EvaluationError(f"{source} gave no number named '{metric}' (got {dict(value)})")
         score = numbers[metric]
     elif _number(value):
-        score, numbers = float(value), {}
+        score, numbers = _float(value), {}
     else:
         raise EvaluationError(f"{source} gave {value!r}: return a number or a mapping of named numbers")
     if not math.isfinite(score):
@@ -55,6 +58,30 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _float(value: int | float) -> float:
+    """``value`` as a float; an integer beyond float's range (a 400-digit score) is infinite, refused as such."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def run_command(line: str, timeout: float | None) -> subprocess.CompletedProcess:
+    """``line`` through the shell in a process group of its own, so that a timeout stops the evaluation's children
+    too (killing the shell alone leaves them running)."""
+    process = subprocess.Popen(
+        line, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except BaseException:  # the timeout, or Ctrl-C: the whole group goes
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(line, process.returncode, stdout, stderr)
+
+
 def command_evaluator(command: str, metric: str | None = None, *, timeout: float | None = None) -> Evaluate:
     """An evaluation running ``command`` through the shell with ``{model}`` (and ``{budget}``) filled in."""
     if "{model}" not in command:
@@ -63,7 +90,7 @@ def command_evaluator(command: str, metric: str | None = None, *, timeout: float
     def evaluate(model: Path, budget: float) -> dict[str, float]:
         line = command.replace("{model}", shlex.quote(str(model))).replace("{budget}", repr(float(budget)))
         try:
-            done = subprocess.run(line, shell=True, capture_output=True, text=True, timeout=timeout, check=False)
+            done = run_command(line, timeout)
         except subprocess.TimeoutExpired:
             raise EvaluationError(f"--eval command ran longer than {timeout} s on {model}: {line}") from None
         if done.returncode != 0:
@@ -75,7 +102,7 @@ def command_evaluator(command: str, metric: str | None = None, *, timeout: float
         last = lines[-1]
         try:
             value = json.loads(last)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: JSON nested thousands deep
             raise EvaluationError(
                 f"--eval command's last line is not a number or a JSON object: {last[:200]!r} ({line})"
             ) from None

@@ -37,6 +37,8 @@ PAPER_GRIDS: dict[str, dict[str, tuple[Any, ...]]] = {  # the paper's grids beyo
     "swudi": {"rank_ratio": (0.55, 0.60, 0.65, 0.70, 0.75, 0.85), "t": (300.0, 500.0, 700.0, 1000.0, 1300.0, 1800.0)},
 }
 STRATEGIES = ("grid", "halving")
+MAX_VALUES = 1000  # values of one parameter
+MAX_SETTINGS = 10_000  # settings in all: each one a merge and an evaluation
 SECTION_KEYS = ("space", "strategy", "metric", "maximize", "eta", "min_budget")  # the keys of ``tune:``
 
 
@@ -97,8 +99,8 @@ def parse_values(name: str, spec: Any) -> tuple[Any, ...]:
         bounds, num, log = spec["range"], spec.get("num", 5), bool(spec.get("log", False))
         if not (isinstance(bounds, list | tuple) and len(bounds) == 2 and all(_is_number(b) for b in bounds)):
             raise RecipeError(f"{where}: range must be [low, high] with two numbers, got {bounds!r}")
-        if not isinstance(num, int) or isinstance(num, bool) or num < 1:
-            raise RecipeError(f"{where}: num must be a whole number >= 1, got {num!r}")
+        if not isinstance(num, int) or isinstance(num, bool) or not 1 <= num <= MAX_VALUES:
+            raise RecipeError(f"{where}: num must be a whole number from 1 to {MAX_VALUES}, got {num!r}")
         low, high = float(bounds[0]), float(bounds[1])
         if log and (low <= 0 or high <= 0):
             raise RecipeError(f"{where}: a log range needs positive bounds, got [{low}, {high}]")
@@ -110,6 +112,8 @@ def parse_values(name: str, spec: Any) -> tuple[Any, ...]:
     values = tuple(spec) if isinstance(spec, list | tuple) else (spec,)
     if not values:
         raise RecipeError(f"{where}: give at least one value")
+    if len(values) > MAX_VALUES:
+        raise RecipeError(f"{where}: {len(values)} values; at most {MAX_VALUES} per parameter are searched")
     if len(set(map(repr, values))) != len(values):
         raise RecipeError(f"{where}: a value is repeated in {list(values)}")
     return values
@@ -131,6 +135,13 @@ def parse_space(method: Method, spec: Mapping[str, Any] | None, fixed: Mapping[s
         except ValueError as err:
             raise RecipeError(f"tune.space: {err}") from None
         values[str(name)] = parse_values(str(name), given)
+    count = math.prod(len(options) for options in values.values())
+    if count > MAX_SETTINGS:
+        sizes = " x ".join(f"{len(options)} {name}" for name, options in values.items())
+        raise RecipeError(
+            f"tune.space has {count:,} settings ({sizes}); at most {MAX_SETTINGS:,} are searched, each a whole merge "
+            "and an evaluation: narrow the space"
+        )
     for name, options in values.items():
         for value in options:
             try:

@@ -102,6 +102,8 @@ def tune(
     score_with, description = _evaluation(evaluate, command, options, module, timeout)
     folder = Path(output)
     refuse_output_inside_inputs(folder, [recipe.base, *recipe.experts])
+    if cache is not None:  # the spectral cache is written too: never into an input
+        refuse_output_inside_inputs(Path(cache), [recipe.base, *recipe.experts])
     state = {"specmerge": __version__, "recipe": recipe.model_dump(mode="json"), "space": options.space.to_dict(),
              "strategy": options.strategy, "eta": options.eta, "min_budget": options.min_budget,
              "maximize": options.maximize, "metric": options.metric, "evaluation": description}  # fmt: skip

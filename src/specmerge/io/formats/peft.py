@@ -9,10 +9,9 @@ its delta, and ``adapter.load(name)`` returns a :class:`specmerge.linalg.lowrank
 r the module's rank (read from the stored factors, which is what ``rank_pattern`` sets) and alpha
 from ``alpha_pattern`` or ``lora_alpha``. Patterns follow PEFT: the first key in the pattern dict
 that matches the end of the module name (``(.*\\.)?key$``) wins. With ``fan_in_fan_out`` (GPT-2's
-Conv1D, whose weight is stored as d_in x d_out) the delta is transposed into the weight's layout.
-Other PEFT types, and every config field that makes an adapter more than that delta (DoRA, LoRA biases,
-``modules_to_save``, activated LoRA, ...: :mod:`.peft_fields`), are refused by name with a clear error.
-
+Conv1D, whose weight is stored as d_in x d_out) the delta is transposed into the weight's layout. LoRA on
+embeddings is a delta too; DoRA, LoRA biases, saved modules and trainable tokens are read by :mod:`.peft_variants`;
+other PEFT types and config fields that make an adapter something else are refused by name (:mod:`.peft_fields`).
 The config is checked against the factors before anything is merged: ``r`` (or the ``rank_pattern``
 entry of a module) must be the rank of its stored factors, ``lora_alpha`` and ``alpha_pattern`` values
 positive finite numbers, ``use_rslora`` and ``fan_in_fan_out`` booleans, pattern keys regular expressions,
@@ -28,7 +27,7 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,8 @@ from safetensors.torch import save_file
 from specmerge.errors import SpecmergeWarning
 from specmerge.io.formats.files import folder_file
 from specmerge.io.formats.names import ADAPTER_CONFIG, ADAPTER_FILES, PEFT_PREFIX, lora_key
-from specmerge.io.formats.peft_fields import AdapterError, check_fields
+from specmerge.io.formats.peft_fields import AdapterError, check_fields, config_object
+from specmerge.io.formats.peft_variants import split_variants
 from specmerge.io.formats.protocol import Closing, TensorInfo, TensorSource
 from specmerge.io.formats.sources import open_stored
 from specmerge.linalg.lowrank import AdapterFactors, LoraDelta
@@ -148,6 +148,7 @@ class LoraModule:
     scale: float
     shape: tuple[int, int]  # the delta in the base weight's layout
     transposed: bool  # fan_in_fan_out: the base weight is stored d_in x d_out
+    embedding: bool = False  # factors lora_embedding_A [r, vocab] / _B [dim, r]: delta = s (B A)^T
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -190,59 +191,62 @@ class LoraAdapter(Closing):
         check_fields(self.config, config_file)
 
     def _read_modules(self) -> dict[str, LoraModule]:
+        stored, self.variants = split_variants(self._source.infos(), self.config)
         factors: dict[str, dict[str, TensorInfo]] = {}
-        embedding = next((name for name in self._source.infos() if ".lora_embedding_" in name), None)
-        if embedding is not None:
-            raise AdapterError(
-                f"{self._source.path}: '{embedding}' is a LoRA on an embedding layer, which is not supported yet; "
-                "merge the adapter into the model with PEFT's merge_and_unload and pass the full checkpoint"
-            )
-        for name, info in self._source.infos().items():
+        for name, info in stored.items():
             match = _KEY.match(name)
             if match is None:
                 raise AdapterError(f"{self._source.path}: unexpected tensor '{name}' in a LoRA adapter")
-            if not info.dtype.is_floating_point:
-                raise AdapterError(f"{self._source.path}: LoRA factor '{name}' is {info.dtype}, not floating point")
             factors.setdefault(match["module"], {})[match["which"]] = info
-        if not factors:
+        pairs = {module: (pair.get("A"), pair.get("B"), False) for module, pair in factors.items()}
+        infos = self._source.infos()
+        for module, a_name in self.variants.embedding_A.items():
+            pairs[module] = (infos[a_name], infos[self.variants.embedding_B[module]], True)
+        if not pairs:
             raise AdapterError(f"{self._source.path}: holds no LoRA factors (lora_A / lora_B weights)")
-        settings = self.settings
-        fan_in_fan_out = settings.fan_in_fan_out
-        config_file = self.config_name
         modules = {}
-        for module, pair in factors.items():
-            if set(pair) != {"A", "B"}:
-                raise AdapterError(f"{self._source.path}: module '{module}' has lora_{''.join(pair)} only")
-            A, B = pair["A"], pair["B"]
+        for module, (A, B, embedding) in pairs.items():
+            if A is None or B is None:
+                raise AdapterError(f"{self._source.path}: module '{module}' has lora_{'B' if A is None else 'A'} only")
+            for info in (A, B):
+                if not info.dtype.is_floating_point:
+                    raise AdapterError(
+                        f"{self._source.path}: LoRA factor '{info.name}' is {info.dtype}, not floating point"
+                    )
             if len(A.shape) != 2 or len(B.shape) != 2 or A.shape[0] != B.shape[1]:
                 raise AdapterError(
                     f"{self._source.path}: module '{module}' has lora_A {list(A.shape)} and lora_B {list(B.shape)}, "
                     "which are not the factors of a linear layer"
                 )
-            rank = A.shape[0]
-            expected = _pattern_value(settings.rank_pattern, module, None)
-            source = "its rank_pattern entry" if expected is not None else "'r'"
-            if expected is None:
-                expected = settings.r
-                source += "" if "r" in self.config else " (missing: PEFT's default)"
-            if rank != expected:
-                raise AdapterError(
-                    f"{config_file}: module '{module}' has rank-{rank} factors (lora_A {list(A.shape)}, lora_B "
-                    f"{list(B.shape)}) but {source} says rank {expected}: the config does not describe these "
-                    "weights; fix r / rank_pattern in the config"
-                )
-            if not _targeted(settings.target_modules, module):
-                raise AdapterError(
-                    f"{config_file}: the weights hold module '{module}', which target_modules "
-                    f"{settings.target_modules!r} does not select: the config does not describe these weights"
-                )
-            alpha = float(_pattern_value(settings.alpha_pattern, module, settings.lora_alpha))
-            scale = alpha / (math.sqrt(rank) if settings.use_rslora else rank)
-            shape = (A.shape[1], B.shape[0]) if fan_in_fan_out else (B.shape[0], A.shape[1])
-            modules[f"{module}.weight"] = LoraModule(
-                f"{module}.weight", module, rank, alpha, scale, shape, fan_in_fan_out
-            )
+            modules[f"{module}.weight"] = self._module(module, A, B, embedding)
         return modules
+
+    def _module(self, module: str, A: TensorInfo, B: TensorInfo, embedding: bool) -> LoraModule:
+        """One adapted weight, its rank and scale checked against the config (an embedding's factors are
+        lora_embedding_A [r, vocab] and lora_embedding_B [dim, r]: its delta is their product transposed)."""
+        settings, config_file = self.settings, self.config_name
+        rank = A.shape[0]
+        expected = _pattern_value(settings.rank_pattern, module, None)
+        source = "its rank_pattern entry" if expected is not None else "'r'"
+        if expected is None:
+            expected = settings.r
+            source += "" if "r" in self.config else " (missing: PEFT's default)"
+        if rank != expected:
+            raise AdapterError(
+                f"{config_file}: module '{module}' has rank-{rank} factors (lora_A {list(A.shape)}, lora_B "
+                f"{list(B.shape)}) but {source} says rank {expected}: the config does not describe these "
+                "weights; fix r / rank_pattern in the config"
+            )
+        if not _targeted(settings.target_modules, module):
+            raise AdapterError(
+                f"{config_file}: the weights hold module '{module}', which target_modules "
+                f"{settings.target_modules!r} does not select: the config does not describe these weights"
+            )
+        alpha = float(_pattern_value(settings.alpha_pattern, module, settings.lora_alpha))
+        scale = alpha / (math.sqrt(rank) if settings.use_rslora else rank)
+        transposed = settings.fan_in_fan_out and not embedding
+        shape = (A.shape[1], B.shape[0]) if transposed or embedding else (B.shape[0], A.shape[1])
+        return LoraModule(f"{module}.weight", module, rank, alpha, scale, shape, transposed, embedding)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -258,11 +262,23 @@ class LoraAdapter(Closing):
         module = self._modules.get(base_name)
         if module is None:
             raise AdapterError(f"{self.path}: the adapter does not change '{base_name}'")
+        if module.embedding:  # delta = s (B_e A_e)^T = s A_e^T B_e^T
+            A = self._source.load(self.variants.embedding_A[module.module])
+            B = self._source.load(self.variants.embedding_B[module.module])
+            return LoraDelta(A.T.contiguous(), B.T.contiguous(), module.scale)
         B = self._source.load(self._key(module.module, "B"))
         A = self._source.load(self._key(module.module, "A"))
         if module.transposed:  # delta W = (scale B A)^T = scale A^T B^T
             return LoraDelta(A.T.contiguous(), B.T.contiguous(), module.scale)
         return LoraDelta(B, A, module.scale)
+
+    def stored_infos(self) -> dict[str, TensorInfo]:
+        """Every tensor the adapter's file holds, by its stored name."""
+        return self._source.infos()
+
+    def load_stored(self, name: str) -> torch.Tensor:
+        """One tensor of the adapter's file by its stored name (DoRA magnitudes, biases, saved modules...)."""
+        return self._source.load(name)
 
     def _key(self, module: str, which: str) -> str:
         for name in (lora_key(module, which), lora_key(module, which, prefixed=False)):
@@ -330,16 +346,23 @@ def adapter_config(
     }
 
 
-def write_adapter(folder: Path, factors: Mapping[str, AdapterFactors], config: Mapping[str, Any]) -> None:
+def write_adapter(
+    folder: Path, factors: Mapping[str, AdapterFactors], config: Mapping[str, Any], embeddings: Collection[str] = ()
+) -> None:
     """Write ``adapter_config.json`` and ``adapter_model.safetensors`` for factors keyed by base weight name.
 
     The factors are in the base weight's layout (delta W = B A); with ``fan_in_fan_out`` (GPT-2's Conv1D,
-    weights stored d_in x d_out) PEFT's factors are their transposes, lora_B = A^T and lora_A = B^T.
+    weights stored d_in x d_out) PEFT's factors are their transposes, lora_B = A^T and lora_A = B^T; for an
+    embedding (``embeddings``: base weight names) PEFT's lora_embedding_A = B^T and lora_embedding_B = A^T.
     """
     transposed = bool(config.get("fan_in_fan_out"))
     tensors: dict[str, torch.Tensor] = {}
     for name, f in factors.items():
         module = name.removesuffix(".weight")
+        if name in embeddings:
+            tensors[f"{PEFT_PREFIX}{module}.lora_embedding_A"] = f.B.T.contiguous()
+            tensors[f"{PEFT_PREFIX}{module}.lora_embedding_B"] = f.A.T.contiguous()
+            continue
         lora_B, lora_A = (f.A.T, f.B.T) if transposed else (f.B, f.A)
         tensors[lora_key(module, "A")] = lora_A.contiguous()
         tensors[lora_key(module, "B")] = lora_B.contiguous()
@@ -374,13 +397,3 @@ def open_adapter(path: str | os.PathLike) -> LoraAdapter:
         raise AdapterError(f"{folder}: no adapter weights ({' or '.join(ADAPTER_FILES)})")
     folder_file(weights, folder)
     return LoraAdapter(folder, config, open_stored(weights), config_file=real_config)  # its own checks
-
-
-def config_object(config: Any, name: str) -> dict[str, Any]:
-    """``config`` if it is a JSON object (a dict), else a one-line error naming ``name``."""
-    if not isinstance(config, dict):
-        raise AdapterError(
-            f"{name}: a PEFT adapter config is a JSON object (peft_type, r, lora_alpha, ...), "
-            f"got a {type(config).__name__}"
-        )
-    return config

@@ -24,6 +24,8 @@ class AdapterError(SourceError):
 SETS_DELTA = frozenset(
     {"peft_type", "r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "fan_in_fan_out"}
 )
+# read as merge_and_unload makes of them (specmerge.io.formats.peft_variants)
+VARIANTS = frozenset({"use_dora", "lora_bias", "modules_to_save", "trainable_token_indices"})
 NO_EFFECT = frozenset(
     {
         "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
@@ -36,10 +38,6 @@ CONVERT = (
     "save it converted to a plain LoRA with PEFT (save_pretrained(..., path_initial_model_for_weight_conversion=...))"
 )
 REFUSED: dict[str, tuple[str, str]] = {  # field -> (what it makes the adapter, what to do)
-    "use_dora": ("DoRA: a learned magnitude rescales each column of the adapted weight", MERGE_FIRST),
-    "lora_bias": ("a LoRA bias: the adapted layers' biases are trained too", MERGE_FIRST),
-    "modules_to_save": ("whole trained copies of base modules", MERGE_FIRST),
-    "trainable_token_indices": ("trained rows of the token embedding", MERGE_FIRST),
     "megatron_config": ("Megatron-parallel LoRA layers", MERGE_FIRST),
     "velora_config": ("VeLoRA layers", MERGE_FIRST),
     "kasa_config": ("KaSA: a learned singular-value diagonal between the factors", MERGE_FIRST),
@@ -73,7 +71,7 @@ def is_set(value: Any) -> bool:
 def check_fields(config: Mapping[str, Any], config_file: str) -> None:
     """Refuse an adapter config with a field set that makes the adapter more than a LoRA delta of the base."""
     for key, value in config.items():
-        if key in SETS_DELTA or key in NO_EFFECT:
+        if key in SETS_DELTA or key in NO_EFFECT or key in VARIANTS:
             continue
         shown = f"{value!r}"[:60]
         if key in ALLOWED_VALUES:
@@ -99,3 +97,13 @@ def check_fields(config: Mapping[str, Any], config_file: str) -> None:
                 f"{config_file}: '{key}' is {shown}, a field specmerge does not know (from a newer PEFT?), so it "
                 f"cannot tell what the adapter is: {MERGE_FIRST}"
             )
+
+
+def config_object(config: Any, name: str) -> dict[str, Any]:
+    """``config`` if it is a JSON object (a dict), else a one-line error naming ``name``."""
+    if not isinstance(config, dict):
+        raise AdapterError(
+            f"{name}: a PEFT adapter config is a JSON object (peft_type, r, lora_alpha, ...), "
+            f"got a {type(config).__name__}"
+        )
+    return config

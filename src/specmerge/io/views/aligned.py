@@ -69,6 +69,7 @@ class RenamedExpert:
         self.expert = expert
         self.path = expert.path
         self.low_rank = expert.low_rank
+        self.variant_kinds = getattr(expert, "variant_kinds", [])  # an adapter's DoRA, biases, ... (see AdapterExpert)
         self.names = dict(names)
         self._infos = _renamed_infos(expert.infos(), self.names)
 
@@ -77,6 +78,13 @@ class RenamedExpert:
 
     def changes(self, name: str) -> bool:
         return self.expert.changes(self.names[name])
+
+    def kind(self, name: str) -> str:
+        """The kind of value :meth:`read` gives (see :func:`specmerge.pipeline.estimate.cost.expert_kind`)."""
+        inner = getattr(self.expert, "kind", None)
+        if inner is not None:
+            return inner(self.names[name])
+        return "zero" if not self.changes(name) else "low_rank" if self.low_rank else "dense"
 
     def read(self, name: str, rows: Rows = None) -> TaskVector:
         return self.expert.read(self.names[name], rows)

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Protocol
 
 from specmerge.io.formats.gguf_format import GGUF_SUFFIX, open_gguf
-from specmerge.io.formats.peft import LoraAdapter, is_adapter, open_adapter
+from specmerge.io.formats.peft import AdapterError, LoraAdapter, is_adapter, open_adapter
 from specmerge.io.formats.protocol import Closing, Rows, TensorInfo, TensorSource, row_ranges
 from specmerge.io.formats.sources import open_source
+from specmerge.io.views.adapter_variants import dense_variants, variant_weight
 from specmerge.io.views.task_vectors import Dense, LowRank, TaskVector, Zero, count_nonfinite
 from specmerge.linalg.lowrank import LoraDelta
 
@@ -109,16 +110,36 @@ class AdapterExpert(Closing):
     ``infos()`` lists the base's tensors (an adapter expert has them all: the ones it does not adapt are
     the base's own, a :class:`Zero` delta); ``read(name)`` is the :class:`LowRank` delta of an adapted weight.
     Checks on construction that every adapted module is a base weight of the delta's shape.
+
+    What the adapter carries beyond LoRA deltas (:mod:`specmerge.io.formats.peft_variants`: DoRA, LoRA biases,
+    ``modules_to_save``, trainable tokens) is read as the weight ``merge_and_unload`` gives (:class:`Dense`),
+    computed from the base's tensor (``base``, which these need); :meth:`kind` says which tensors those are.
     """
 
-    low_rank = True
+    low_rank = True  # an adapter: it names the base's tensors and carries no tokenizer of its own
 
-    def __init__(self, adapter: LoraAdapter, base_infos: Mapping[str, TensorInfo]) -> None:
+    def __init__(
+        self, adapter: LoraAdapter, base_infos: Mapping[str, TensorInfo], base: TensorSource | None = None
+    ) -> None:
         adapter.check_base(dict(base_infos))
         self.adapter = adapter
         self.path = adapter.path
         self._infos = dict(base_infos)
         self._modules = adapter.modules()
+        self._dense = dense_variants(adapter, self._infos)  # name -> what it is (DoRA, bias, saved, tokens)
+        if self._dense and base is None:
+            raise AdapterError(f"{self.path}: its {', '.join(self.variant_kinds)} are read against the base's tensors")
+        self._base = base
+
+    def kind(self, name: str) -> str:
+        """What :meth:`read` gives for ``name``, known before reading: ``dense`` (a variant's merged weight),
+        ``low_rank`` (a LoRA delta) or ``zero``."""
+        return "dense" if name in self._dense else "low_rank" if name in self._modules else "zero"
+
+    @property
+    def variant_kinds(self) -> list[str]:
+        """What the adapter carries that is not a LoRA delta, in words (empty for a plain LoRA)."""
+        return self.adapter.variants.kinds()
 
     @property
     def fan_in_fan_out(self) -> bool:
@@ -130,7 +151,7 @@ class AdapterExpert(Closing):
 
     def changes(self, name: str) -> bool:
         """Whether the adapter changes base tensor ``name``."""
-        return name in self._modules
+        return name in self._modules or name in self._dense
 
     def load_delta(self, name: str, rows: Rows = None) -> LoraDelta | None:
         """The delta of ``name`` (rows ``start:stop`` of it when given), or None where the adapter changes nothing."""
@@ -139,7 +160,10 @@ class AdapterExpert(Closing):
         delta = self.adapter.load(name)
         return delta if rows is None else delta.rows(*rows)
 
-    def read(self, name: str, rows: Rows = None) -> LowRank | Zero:
+    def read(self, name: str, rows: Rows = None) -> LowRank | Zero | Dense:
+        if name in self._dense:
+            weight = variant_weight(self.adapter, name, self._dense[name], self._base)
+            return Dense(weight if rows is None else weight[rows[0] : rows[1]])
         delta = self.load_delta(name, rows)
         if delta is not None:
             return LowRank(delta)
@@ -151,6 +175,9 @@ class AdapterExpert(Closing):
         return frozenset(self._modules) if self.fan_in_fan_out else frozenset()
 
     def nonfinite(self, name: str, label: str) -> str | None:
+        if name in self._dense:
+            count = count_nonfinite(variant_weight(self.adapter, name, self._dense[name], self._base))
+            return f"{count} entries of the merged {self._dense[name]} of {label} '{self.path}'" if count else None
         delta = self.load_delta(name)
         if delta is None:
             return None
@@ -169,15 +196,18 @@ class AdapterExpert(Closing):
         self.adapter.close()
 
 
-def open_expert(path: str | os.PathLike, base_infos: Mapping[str, TensorInfo]) -> CheckpointExpert | AdapterExpert:
-    """An expert checkpoint (full weights) or PEFT LoRA adapter folder, checked against the base's tensors."""
+def open_expert(
+    path: str | os.PathLike, base_infos: Mapping[str, TensorInfo], base: TensorSource | None = None
+) -> CheckpointExpert | AdapterExpert:
+    """An expert checkpoint (full weights), GGUF file or PEFT LoRA adapter folder, checked against the base's
+    tensors (``base``: the base itself, which adapters with DoRA, biases, saved modules or tokens read)."""
     if str(path).endswith(GGUF_SUFFIX) and os.path.isfile(path):  # named as the base names its tensors
         return CheckpointExpert(open_gguf(path, base_infos))
     if not is_adapter(path):
         return CheckpointExpert(open_source(path))
     adapter = open_adapter(path)
     try:
-        return AdapterExpert(adapter, base_infos)
+        return AdapterExpert(adapter, base_infos, base)
     except BaseException:
         adapter.close()
         raise

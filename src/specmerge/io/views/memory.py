@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from specmerge.io.formats.peft import AdapterError, LoraAdapter
-from specmerge.io.formats.protocol import Closing, SourceError, TensorInfo, no_such_tensor
+from specmerge.io.formats.protocol import Closing, SourceError, TensorInfo, TensorSource, no_such_tensor
 from specmerge.io.quant.detect import quantized_marker, unstated
 from specmerge.io.views.experts import AdapterExpert
 
@@ -69,7 +69,7 @@ def unwrapped_weights(tensors: Mapping[str, torch.Tensor], *, prefixed: bool) ->
     return out
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple | None:
+def storage_key(tensor: torch.Tensor) -> tuple | None:
     """What makes two tensors the same memory seen the same way (None for empty tensors: nothing to share)."""
     if tensor.numel() == 0:
         return None
@@ -101,7 +101,7 @@ class MemorySource(Closing):
         first: dict[tuple, str] = {}
         for name, tensor in tensors.items():
             _check_tensor(name, tensor, label)
-            key = _storage_key(tensor)
+            key = storage_key(tensor)
             if key is not None and key in first:
                 self.aliases[name] = first[key]
                 continue
@@ -185,13 +185,18 @@ class MemoryAdapterExpert(AdapterExpert):
     from a :class:`MemorySource` of its tensors; messages name it ``label``."""
 
     def __init__(
-        self, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], base_infos: Mapping, label: str
+        self,
+        config: Mapping[str, Any],
+        tensors: Mapping[str, torch.Tensor],
+        base_infos: Mapping,
+        label: str,
+        base: TensorSource | None = None,
     ) -> None:
         adapter = LoraAdapter(
             Path(label), dict(config), MemorySource(tensors, label), config_name=f"{label}'s adapter config"
         )
         try:
-            super().__init__(adapter, base_infos)
+            super().__init__(adapter, base_infos, base)
         except BaseException:
             adapter.close()
             raise

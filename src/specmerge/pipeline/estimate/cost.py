@@ -86,6 +86,9 @@ class ItemCost:
 def expert_kind(expert: Expert, name: str) -> str:
     """The kind of task vector ``expert`` gives for tensor ``name`` (as :mod:`specmerge.io.views.task_vectors` names
     them), known before reading: ``zero`` where it does not change it, else ``low_rank`` or ``dense``."""
+    kind = getattr(expert, "kind", None)  # an adapter says, tensor by tensor (DoRA, saved modules: dense)
+    if kind is not None:
+        return kind(name)
     if not expert.changes(name):
         return "zero"
     return "low_rank" if expert.low_rank else "dense"

@@ -45,7 +45,7 @@ def open_inputs(
     resolved = resolve_inputs(base, experts) if resolved is None else resolved
     paths = [r.path for r in resolved]
     base_source = stack.enter_context(open_source(paths[0]))
-    opened = [stack.enter_context(open_expert(path, base_source.infos())) for path in paths[1:]]
+    opened = [stack.enter_context(open_expert(path, base_source.infos(), base_source)) for path in paths[1:]]
     refuse_duplicate_inputs([base, *experts], [base_source, *opened])
     if output is not None:
         refuse_output_inside_inputs(Path(output), [str(p) for p in paths], [base_source, *opened])

@@ -17,6 +17,12 @@ def check_lora_output(recipe: Recipe, plan: Sequence[TensorPlan], experts: Seque
     ``fan_in_fan_out``; without ``max_rank`` every merged tensor that an adapter changes needs a method with an
     exact factored form (``Method.factored``), since a densifying method's result is not low-rank.
     """
+    for expert in experts:
+        if getattr(expert, "variant_kinds", None):
+            raise PlanError(
+                f"output_format lora: adapter '{expert.path}' carries {', '.join(expert.variant_kinds)}, which are "
+                "not LoRA deltas and cannot be written as a LoRA adapter: write a merged model (output_format model)"
+            )
     full = [str(e.path) for e in experts if not e.low_rank]
     if full:
         raise PlanError(

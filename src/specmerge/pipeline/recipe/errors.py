@@ -8,6 +8,7 @@ key 'action'``); :func:`line_of` finds the line of that key in the recipe file.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -69,3 +70,20 @@ def dotted(loc: Sequence[str | int]) -> str:
     for part in loc:
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
     return text
+
+
+TOO_DEEP = "a recipe is a mapping a few levels deep (base, experts, method, params, overrides)"
+
+
+def parse_yaml(text: str, path: Path) -> Any:
+    """The YAML document ``text`` of the recipe file ``path``; a one-line RecipeError where it cannot be read
+    (naming the line and column of a syntax error, or saying that it is nested too deeply)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(err, "problem", None) or str(err).replace("\n", " ")
+        raise RecipeError(f"{where}: invalid YAML: {problem}") from None
+    except RecursionError:  # PyYAML builds nested values recursively
+        raise RecipeError(f"{path}: the recipe is nested too deeply to read: {TOO_DEEP}") from None

@@ -20,6 +20,8 @@ from typing import Annotated, Any
 
 from specmerge.methods import Method
 
+MAX_LAYER_VALUES = 1024  # points of a gradient across layers: more is a mistake (and validating them would hang)
+
 
 def layer_positions(names: Iterable[str]) -> dict[str, float | None]:
     """Each name's position t in [0, 1] in its stack of layers, or None for a name outside numbered layers."""
@@ -81,6 +83,11 @@ def validate_layered(method: Method, params: Mapping[str, Any], n: int | None = 
             )
         if not values:
             raise ValueError(f"method '{method.name}': parameter '{key}' is an empty list: give at least one value")
+        if len(values) > MAX_LAYER_VALUES:
+            raise ValueError(
+                f"method '{method.name}': parameter '{key}' has {len(values)} values across layers; at most "
+                f"{MAX_LAYER_VALUES} (one per layer of the deepest models, with room to spare) are taken"
+            )
     completed = method.validate(first, n)
     for key, values in lists.items():
         checked = []

@@ -37,7 +37,7 @@ from pydantic import (
 from specmerge.errors import RecipeError, unknown_name_message
 from specmerge.io.hub.ids import HUB_SPEC, absolute_spec
 from specmerge.methods import all_methods, get_method
-from specmerge.pipeline.recipe.errors import line_of, recipe_error
+from specmerge.pipeline.recipe.errors import TOO_DEEP, line_of, parse_yaml, recipe_error
 from specmerge.pipeline.recipe.expert_entries import (
     WEIGHTS_HELP,
     check_weights,
@@ -188,7 +188,10 @@ class Recipe(BaseModel):
         for key in data:
             if not isinstance(key, str):
                 raise RecipeError(f"recipe keys are names, got {key!r}", (key,))
-        return cls(**data)
+        try:
+            return cls(**data)
+        except RecursionError:  # a value nested thousands deep
+            raise RecipeError(f"the recipe is nested too deeply to validate: {TOO_DEEP}") from None
 
     @property
     def shard_bytes(self) -> int:
@@ -361,13 +364,7 @@ def load_recipe_with(path: str | os.PathLike, section: str | None = None) -> tup
         raise RecipeError(f"recipe file '{path}' does not exist") from None
     except (OSError, UnicodeDecodeError) as err:
         raise RecipeError(f"recipe file '{path}' cannot be read: {err}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = getattr(err, "problem", None) or str(err).replace("\n", " ")
-        raise RecipeError(f"{where}: invalid YAML: {problem}") from None
+    data = parse_yaml(text, path)
     if data is None:
         raise RecipeError(f"{path}: the recipe file is empty; it needs at least 'base' and 'experts'")
     if not isinstance(data, dict):

@@ -297,7 +297,8 @@ def _write_adapter(
     ranks = {name: f.rank for name, f in factors.items()}
     base = prepared.inputs[0]  # named as in the written recipe: a hub id, or a path relative to the output folder
     config = adapter_config(ranks, base_model=portable_spec(base, output, pinned=False), like=experts[0].adapter.config)
-    write_adapter(folder, factors, {**config, "revision": base.commit} if base.commit else config)
+    embeddings = {n for e in experts for n, m in e.adapter.modules().items() if m.embedding}  # lora_embedding_A/B
+    write_adapter(folder, factors, {**config, "revision": base.commit} if base.commit else config, embeddings)
     extra = {
         "adapter": {
             "modules": len(factors),

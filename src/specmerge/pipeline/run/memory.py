@@ -38,6 +38,7 @@ from specmerge.io.views.memory import (
     is_peft_model,
     peft_adapter,
     peft_tensor,
+    storage_key,
     unwrapped_weights,
 )
 from specmerge.pipeline.plan.rules import PlanError, TensorPlan, make_plan
@@ -89,6 +90,7 @@ def merge_state_dicts(
             ("executor",),
         )
     recipe = memory_recipe(experts, method=method, params=params, **options)
+    refuse_repeated(base, experts, list(recipe.expert_keys or []))
     executor = StreamingExecutor() if executor is None or executor == "local" else executor
     compute = ComputeOptions.for_recipe(recipe)  # device, compute dtype, expert weights: as specmerge.merge
     weights = base_weights(base)
@@ -145,6 +147,24 @@ def memory_recipe(experts: Sequence[Model], *, method: str, params: Mapping[str,
     return Recipe.from_dict({"base": "in memory", "experts": placeholders, **given})
 
 
+def refuse_repeated(base: Model, experts: Sequence[Model], keys: Sequence[str]) -> None:
+    """Refuse an expert that is the base, or another expert, in memory: the same object, or a mapping whose
+    tensors are all the same memory (``dict(sd)``), as files that are the same are refused."""
+
+    def identity(model: Model) -> Any:
+        tensors = [t for t in _names(model).values() if isinstance(t, torch.Tensor) and t.numel()]
+        return frozenset(storage_key(t) for t in tensors) or id(model)
+
+    seen = {identity(base): "the base"}
+    for expert, key in zip(experts, keys, strict=True):
+        found = seen.setdefault(identity(expert), f"expert '{key}'")
+        if found != f"expert '{key}'":
+            raise RecipeError(
+                f"expert '{key}' is {found} again (the same tensors in memory): an expert is a fine-tuned copy; list "
+                "each model once"
+            )
+
+
 def _keyed(experts: Sequence[Model], recipe: Recipe) -> list[tuple[Model, str]]:
     return list(zip(experts, recipe.expert_keys or [], strict=True))
 
@@ -178,7 +198,7 @@ def open_memory_expert(expert: Model, base: MemorySource, key: str) -> Expert:
     _refuse_path(expert, label)
     if is_peft_model(expert):
         config, tensors = peft_adapter(expert, label)
-        return MemoryAdapterExpert(config, tensors, base.infos(), key)
+        return MemoryAdapterExpert(config, tensors, base.infos(), key, base)
     tensors = _names(expert)
     lora = peft_tensor(list(tensors))
     if lora is not None:

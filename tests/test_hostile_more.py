@@ -1,0 +1,110 @@
+"""The re-audit's hostile inputs (issue 48, item 6): each ends in one line before any work, or is bounded."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specmerge.errors import RecipeError, SpecmergeError
+from specmerge.methods import get_method
+from specmerge.pipeline.recipe.layered import MAX_LAYER_VALUES, validate_layered
+from specmerge.pipeline.recipe.model import Recipe, load_recipe
+from specmerge.pipeline.run.memory import merge_state_dicts
+from specmerge.tuning.evaluation import EvaluationError, command_evaluator
+from specmerge.tuning.space import MAX_SETTINGS, parse_space
+from specmerge.tuning.tune import tune
+from tiny_models import build_family, llama_config
+
+
+def nested(depth: int, leaf: object = 1) -> object:
+    value = leaf
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(depth=st.integers(1, 30_000), key=st.sampled_from(["params", "overrides", "experts", "modules", "base"]))
+def test_a_recipe_nested_to_any_depth_is_read_or_refused_in_one_line(depth, key):
+    """The recipe fuzzing's missing dimension: nesting depth, in a Python mapping and in a YAML file."""
+    try:
+        Recipe.from_dict({"base": "b", "experts": ["a"], key: nested(depth)})
+    except RecipeError as err:
+        assert "\n" not in str(err)
+
+
+def test_a_yaml_recipe_nested_thousands_deep_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "deep.yaml"
+    path.write_text("base: b\nexperts: [a]\nparams: {scale: " + "[" * 30_000 + "]" * 30_000 + "}\n")
+    with pytest.raises(RecipeError, match="nested too deeply") as err:
+        load_recipe(path)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("printed", "expected"),
+    [("9" * 400, "must be a finite number"), ("[" * 50_000 + "]" * 50_000, "not a number or a JSON object")],
+)
+def test_an_evaluation_printing_a_huge_integer_or_deep_json_stops_in_one_line(tmp_path, printed, expected):
+    (tmp_path / "out.txt").write_text(printed + "\n")
+    evaluate = command_evaluator(f"cat {tmp_path / 'out.txt'} # {{model}}")
+    with pytest.raises(EvaluationError, match=expected) as err:
+        evaluate(tmp_path, 1.0)
+    assert "\n" not in str(err.value)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in state  # a zombie has already stopped
+
+
+def test_the_evaluation_timeout_stops_the_commands_children_too(tmp_path):
+    """--timeout used to kill only the shell; the evaluation's own children kept running."""
+    pids = tmp_path / "pids"
+    evaluate = command_evaluator(f"sh -c 'sleep 60 & echo $! > {pids}; wait' # {{model}}", timeout=1.0)
+    with pytest.raises(EvaluationError, match=r"ran longer than 1\.0 s"):
+        evaluate(tmp_path, 1.0)
+    child = int(pids.read_text())
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)
+
+
+def test_a_search_space_too_large_is_refused_with_its_count_before_any_work():
+    method = get_method("swudi")
+    space = {"rank_ratio": {"range": [0.1, 0.9], "num": 1000}, "t": {"range": [10, 1000], "num": 1000}}
+    with pytest.raises(
+        RecipeError, match=rf"5,000,000 settings \(1000 rank_ratio x 1000 t x 5 scale\); at most {MAX_SETTINGS:,}"
+    ):
+        parse_space(method, space, {})
+    with pytest.raises(RecipeError, match="num must be a whole number from 1 to 1000"):
+        parse_space(method, {"t": {"range": [1, 2], "num": 10**9}}, {})
+    with pytest.raises(ValueError, match=f"1000000 values across layers; at most {MAX_LAYER_VALUES}"):
+        validate_layered(get_method("task_arithmetic"), {"scale": [0.5] * 1_000_000})
+
+
+def test_a_tune_cache_inside_an_input_is_refused(tmp_path):
+    base, experts = build_family(tmp_path / "models", "llama", n_experts=2)
+    recipe = {"base": str(base), "experts": [str(e) for e in experts], "method": "swudi"}
+    with pytest.raises(SpecmergeError, match="overlaps the input"):
+        tune(recipe, tmp_path / "tune", evaluate=lambda model: 1.0, cache=base / "cache", progress=False)
+    assert not (base / "cache").exists()
+
+
+def test_the_same_state_dict_twice_is_refused_as_the_same_files_are():
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(llama_config()).state_dict()
+    expert = {k: v + 0.01 for k, v in base.items()}
+    for experts in ([expert, expert], [expert, dict(expert)], [base, expert]):
+        with pytest.raises(RecipeError, match="again \\(the same tensors in memory\\)"):
+            merge_state_dicts(base, experts, method="task_arithmetic")
