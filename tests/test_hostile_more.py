@@ -19,6 +19,7 @@ from specmerge.pipeline.run.memory import merge_state_dicts
 from specmerge.tuning.evaluation import EvaluationError, command_evaluator
 from specmerge.tuning.space import MAX_SETTINGS, parse_space
 from specmerge.tuning.tune import tune
+from test_safety_inputs import cli_error
 from tiny_models import build_family, llama_config
 
 
@@ -108,3 +109,27 @@ def test_the_same_state_dict_twice_is_refused_as_the_same_files_are():
     for experts in ([expert, expert], [expert, dict(expert)], [base, expert]):
         with pytest.raises(RecipeError, match="again \\(the same tensors in memory\\)"):
             merge_state_dicts(base, experts, method="task_arithmetic")
+
+
+def test_an_unreachable_ray_address_is_refused_before_any_work(tmp_path, capsys):
+    """It used to hang for as long as Ray retried, with the output's work folder already made."""
+    pytest.importorskip("ray")
+    base, experts = build_family(tmp_path / "models", "llama", n_experts=2)
+    out = tmp_path / "out"
+    args = [
+        "merge",
+        str(base),
+        *map(str, experts),
+        "-o",
+        str(out),
+        "-q",
+        "--executor",
+        "ray",
+        "--address",
+        "127.0.0.1:9",
+    ]
+    capsys.readouterr()
+    started = time.monotonic()
+    err = cli_error(args, capsys)
+    assert "could not reach the Ray cluster at 127.0.0.1:9 within 10 s" in err
+    assert time.monotonic() - started < 60 and not out.exists() and not list(tmp_path.glob(".*"))

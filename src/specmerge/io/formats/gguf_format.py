@@ -28,6 +28,7 @@ from specmerge.io.formats.protocol import Closing, Rows, SourceError, TensorInfo
 GGUF_SUFFIX = ".gguf"
 COMPUTED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # not weights
 PERMUTED_ARCHS = ("llama",)  # llama.cpp's LlamaModel permutes q/k rows; its other converters do not
+MAX_BLOCKS = 4096  # layers: the deepest released models have a few hundred
 DENSE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -76,6 +77,8 @@ class GGUFSource(Closing):
                     f"bytes at {tensor.data_offset}, the file has {size}); the file is truncated or corrupt"
                 )
         self.arch = arch
+        if not 0 < blocks <= MAX_BLOCKS:
+            raise SourceError(f"{self.path}: the GGUF metadata says {blocks} blocks (layers); the file is corrupt")
         names = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
         if arch not in names:
             raise SourceError(f"{self.path}: GGUF architecture '{arch}' is not one the gguf package knows; upgrade it")
@@ -127,7 +130,13 @@ class GGUFSource(Closing):
             raise SourceError(f"{self.path}: GGUF tensor '{tensor.name}' ({kind}) cannot be read: {err}") from None
         which = self._map[name].split(".")[-2] if "." in self._map[name] else ""
         if which in ("attn_q", "attn_k") and self._heads:
-            values = reverse_permute(values, self._heads[which[-1]])
+            heads = self._heads[which[-1]]
+            if heads < 1 or values.shape[0] % (2 * heads):
+                raise SourceError(
+                    f"{self.path}: the GGUF metadata's head count {heads} does not divide the {values.shape[0]} rows "
+                    f"of '{tensor.name}' into rotary pairs; the file is corrupt"
+                )
+            values = reverse_permute(values, heads)
         return values if rows is None else values[rows[0] : rows[1]]
 
     def describe(self) -> str:

@@ -152,6 +152,8 @@ def run_recipe(
     output = Path(output)
     refuse_output_inside_inputs(output, [recipe.base, *recipe.experts])
     check_output(output, overwrite)  # before any work: parent exists, an existing folder may be replaced
+    if hasattr(executor, "check_reachable"):  # a cluster that does not answer: refused before the work folder exists
+        executor.check_reachable()
     options = ComputeOptions.for_recipe(recipe)
     started = time.perf_counter()
     with ExitStack() as stack:

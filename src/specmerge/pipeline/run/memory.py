@@ -90,13 +90,13 @@ def merge_state_dicts(
             ("executor",),
         )
     recipe = memory_recipe(experts, method=method, params=params, **options)
-    refuse_repeated(base, experts, list(recipe.expert_keys or []))
     executor = StreamingExecutor() if executor is None or executor == "local" else executor
     compute = ComputeOptions.for_recipe(recipe)  # device, compute dtype, expert weights: as specmerge.merge
     weights = base_weights(base)
     with ExitStack() as stack:
         source = stack.enter_context(MemorySource(weights, "in memory"))
         opened = [stack.enter_context(open_memory_expert(e, source, key)) for e, key in _keyed(experts, recipe)]
+        refuse_repeated(base, experts, list(recipe.expert_keys or []))  # each input's kind checked first
         plan = memory_plan(recipe, source, opened, layout_config(base))
         collected = CollectedTensors(plan)
         job = ModelJob(plan, source, opened, collected.write, compute, fsync=False)  # fsync: the cost estimate

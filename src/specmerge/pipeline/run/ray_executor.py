@@ -28,6 +28,7 @@ import importlib.util
 import logging
 import os
 import resource
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -45,6 +46,9 @@ from specmerge.pipeline.run.work import Job, RemoteJob, ReportAccumulator, Tenso
 GROUP_SECONDS = 0.5  # small items go together up to this much estimated work (Ray: ~5 ms a task, BENCHMARKS.md)
 MAX_RETRIES = 3  # runs of a task whose worker died, after the first (Ray's own retry)
 GPU_SHARE = 0.25  # of a GPU, for a task without a spectral tensor when the merge computes on CUDA
+
+
+CONNECT_TIMEOUT = 10.0  # seconds to reach a cluster's address before giving up
 
 
 class RayUnavailable(SpecmergeError):
@@ -130,6 +134,22 @@ class RayExecutor:
         finally:
             if started_here:
                 ray.shutdown()
+
+    def check_reachable(self, timeout: float = CONNECT_TIMEOUT) -> None:
+        """Refuse, before any work (and before the output's work folder exists), a cluster address nothing answers
+        at within ``timeout`` seconds: Ray itself would retry for as long as it is left to."""
+        if self.address is None or self.address == "auto":
+            return
+        host, _, port = self.address.removeprefix("ray://").rpartition(":")
+        if not host or not port.isdigit():
+            return  # Ray names what is wrong with such an address
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        except OSError as err:
+            raise RayUnavailable(
+                f"could not reach the Ray cluster at {self.address} within {timeout:.0f} s ({err}): start it "
+                "(ray start --head) or fix --address"
+            ) from None
 
     def _connect(self, ray: Any) -> None:
         try:
