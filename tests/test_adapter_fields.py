@@ -37,7 +37,6 @@ SET = {  # a value that turns each refused field on, as PEFT writes it
     "kasa_config": {"r": 2},
     "monteclora_config": {"n": 4},
     "use_bdlora": {"block": 2},
-    "target_parameters": ["mlp.experts.gate_up_proj"],
     "layer_replication": [[0, 2], [1, 2]],
     "alora_invocation_tokens": [101, 7],
     "arrow_config": {"top_k": 2},

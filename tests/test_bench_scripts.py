@@ -145,7 +145,7 @@ def test_merge_distances_norms_and_sweep(tmp_path, capsys):
 def test_merge_distances_task_vectors(tmp_path, capsys):
     """Each LoRA expert's task vector scale * B @ A (the config's alpha / r applied) and their sum, in exact figures;
     an adapter whose config does not describe its weights is one line naming it."""
-    from specmerge.io.formats.peft import adapter_config, write_adapter
+    from specmerge.io.formats.peft_write import adapter_config, write_adapter
     from specmerge.linalg.lowrank import AdapterFactors
 
     def adapter(name: str, factors: dict[str, tuple[float, float]]) -> Path:

@@ -132,3 +132,34 @@ def test_which_names_may_be_the_base():
     assert names_base("org/model", hub) and not names_base("org/other", hub) and not names_base("/models/m", hub)
     assert names_base("/models/m", local) and not names_base("/models/n", local)
     assert names_base("org/model", local)  # a hub id and a local folder: what the folder holds is not told by names
+
+
+def test_an_expert_whose_tokenizer_gives_tokens_other_ids_is_matched_by_token(tmp_path):
+    """The same vocabulary size, two tokens' ids swapped (and their rows with them): the rows are matched by token
+    string, as for experts with added tokens, not merged by id."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from token_models import build, weights
+
+    base, experts = build(tmp_path / "tok")
+    chat = experts[2]
+    swapped = tmp_path / "swapped"
+    shutil.copytree(chat, swapped)
+    data = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (swapped / "tokenizer.json").write_text(json.dumps(data))
+    state = weights(chat)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        state[name] = state[name][[*range(10), 11, 10, *range(12, state[name].shape[0])]].contiguous()
+    for f in swapped.glob("*.safetensors"):
+        f.unlink()
+    save_file(state, swapped / "model.safetensors", metadata={"format": "pt"})
+    merge(base, [swapped], tmp_path / "a", method="task_arithmetic", merge_embeddings=True, **FAST)
+    merge(base, [chat], tmp_path / "b", method="task_arithmetic", merge_embeddings=True, **FAST)
+    got, want = weights(tmp_path / "a"), weights(tmp_path / "b")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)

@@ -105,11 +105,12 @@ def test_a_gguf_expert_reads_in_the_base_names_with_q_and_k_unpermuted(family):
         torch.testing.assert_close(source.load(q, (3, 9)).float(), dense[q][3:9], rtol=0, atol=0)
 
 
-def test_merging_a_gguf_expert_is_merging_its_dequantized_weights(family, tmp_path):
+@pytest.mark.parametrize("method", ["swudi_a", "task_arithmetic"])
+def test_merging_a_gguf_expert_is_merging_its_dequantized_weights(family, tmp_path, method):
     base, experts, path, dense = family
     dense_copy = dense_folder(experts[0], tmp_path / "dense0", dense)
-    merge(base, [path, experts[1]], tmp_path / "a", method="swudi_a", dtype="float32", **FAST)
-    merge(base, [dense_copy, experts[1]], tmp_path / "b", method="swudi_a", dtype="float32", **FAST)
+    merge(base, [path, experts[1]], tmp_path / "a", method=method, dtype="float32", **FAST)
+    merge(base, [dense_copy, experts[1]], tmp_path / "b", method=method, dtype="float32", **FAST)
     got, want = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)

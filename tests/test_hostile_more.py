@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -133,3 +134,48 @@ def test_an_unreachable_ray_address_is_refused_before_any_work(tmp_path, capsys)
     err = cli_error(args, capsys)
     assert "could not reach the Ray cluster at 127.0.0.1:9 within 10 s" in err
     assert time.monotonic() - started < 60 and not out.exists() and not list(tmp_path.glob(".*"))
+
+
+def test_a_tokenizer_that_needs_remote_code_is_refused_naming_its_own_folder(tmp_path):
+    """The message used to point at the temporary copy transformers read, already deleted."""
+    import json
+    import shutil
+
+    from specmerge.io.formats.protocol import SourceError
+    from specmerge.io.output.tokenizers import read_tokenizer
+    from token_models import build
+
+    _, experts = build(tmp_path / "tok")
+    folder = tmp_path / "custom"
+    shutil.copytree(experts[0], folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(
+        tokenizer_class="CustomTokenizer", auto_map={"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None]}
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(SourceError) as err:
+        read_tokenizer(folder, "expert 'custom'")
+    assert "specmerge-tokenizer-" not in str(err.value) and str(folder) in str(err.value), str(err.value)
+
+
+def test_expert_rows_beyond_its_tokenizer_and_the_output_are_said_when_dropped(tmp_path, capsys):
+    """An expert with 300 embedding rows and a tokenizer of 66 tokens: the 234 rows no token names used to be
+    dropped from the 66-row output without a word."""
+    from safetensors.torch import load_file, save_file
+
+    from specmerge.cli import main
+    from token_models import build
+
+    base, experts = build(tmp_path / "tok")
+    tool = experts[0]
+    state = load_file(tool / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        extra = 0.02 * torch.randn(300 - state[name].shape[0], state[name].shape[1], generator=g)
+        state[name] = torch.cat([state[name], extra]).contiguous()
+    save_file(state, tool / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(["merge", str(base), str(tool), "-o", str(tmp_path / "out"), "-m", "task_arithmetic"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"expert 'tool' has 300 rows in '[\w.]+' but its tokenizer names 66 tokens", err), err
+    assert "the 234 rows beyond both" in err and "which has 66" in err

@@ -451,3 +451,14 @@ def test_two_specs_of_one_snapshot_are_one_expert(offline, tmp_path):
     with pytest.raises(RecipeError, match=r"expert 'org/base@main' is the base model 'org/base'"):
         merge("org/base", ["org/base@main"], tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_corrupt_ref_in_the_cache_is_named_as_such(offline, tmp_path, capsys):
+    """A garbled refs/main used to be blamed on the revision ("has no revision 'main'")."""
+    root, _ = offline
+    ref = root / "models--org--math" / "refs" / "main"
+    ref.write_text("not a commit\n")
+    assert main(["merge", "org/base", "org/math", "-o", str(tmp_path / "out"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"the cache's {ref} holds 'not a commit', not a commit hash" in err, err
+    assert "hf download org/math" in err and not (tmp_path / "out").exists()

@@ -52,7 +52,7 @@ def gpt_oss(tmp_path_factory) -> tuple[Path, list[Path]]:
     """A tiny gpt-oss base (2 layers, 4 experts of [in, out] slices; widths of 32, as MXFP4 needs) and two experts."""
     root = tmp_path_factory.mktemp("gpt_oss")
     config = transformers.GptOssConfig(
-        hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
         num_local_experts=4, num_experts_per_tok=2, vocab_size=32, head_dim=8,
         layer_types=["full_attention", "full_attention"],
     )  # fmt: skip
@@ -82,7 +82,7 @@ def per_slice(method: str, base: torch.Tensor, experts: list[torch.Tensor], name
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("method", ["swudi_a", "swudi", "tsv_m", "ties", "task_arithmetic", "iso_c"])
+@pytest.mark.parametrize("method", ["swudi_a", "swudi", "tsv_m", "iso_c", "wudi", "ties", "task_arithmetic"])
 def test_a_stack_on_disk_is_merged_as_its_experts_linear_layers(gpt_oss, tmp_path, method):
     base, experts = gpt_oss
     report = merge(base, experts, tmp_path / "out", method=method, dtype="float32", **FAST)
@@ -168,3 +168,58 @@ def test_mxfp4_stacks_read_as_transformers_dequantizes_them_and_merge_per_expert
         "swudi_a", load_file(base / "model.safetensors")[STACK], [d[STACK] for d in dense], STACK, in_out=True
     )
     torch.testing.assert_close(merged[STACK], want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("method", ["swudi_a", "ties", "task_arithmetic"])
+def test_lora_on_expert_stacks_merges_as_its_merge_and_unload_checkpoints(gpt_oss, tmp_path, method):
+    """PEFT's target_parameters (LoRA on gpt-oss's expert stacks): each expert's rank-r update, merged per slice
+    (factored where the method has a factored form), as the merge of the adapters' merge_and_unload checkpoints."""
+    peft = pytest.importorskip("peft")
+    base, _ = gpt_oss
+    adapters, merged = [], []
+    for seed in (1, 2):
+        model = transformers.GptOssForCausalLM.from_pretrained(base, dtype=torch.float32)
+        config = peft.LoraConfig(
+            r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False,
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        )  # fmt: skip
+        wrapped = peft.get_peft_model(model, config)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for _, p in wrapped.named_parameters():
+                if p.requires_grad:
+                    p.add_(0.1 * float(p.std()) * torch.randn(p.shape, generator=g))
+        wrapped.save_pretrained(tmp_path / f"lora{seed}")
+        wrapped.merge_and_unload().save_pretrained(tmp_path / f"merged{seed}")
+        adapters.append(tmp_path / f"lora{seed}")
+        merged.append(tmp_path / f"merged{seed}")
+    merge(base, adapters, tmp_path / "a", method=method, dtype="float32", **FAST)
+    merge(base, merged, tmp_path / "b", method=method, dtype="float32", **FAST)
+    got, want = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    base_stack = load_file(base / "model.safetensors")[STACK]
+    assert not torch.equal(got[STACK], base_stack)  # the stack was changed (the test can tell)
+    for name in want:
+        scale = float(want[name].abs().max())
+        # the factored route against the dense one, on deltas ~100x smaller than the weights: float32 rounding
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+def test_a_seeded_method_draws_each_slice_as_its_own_layer():
+    """DARE on a stack: slice e gets the masks of a 2-D tensor named '<name>[e]' (the merge of E separate layers,
+    each seeded by its own name), not one mask over the whole stack."""
+    from specmerge.io.views.task_vectors import Dense
+    from specmerge.pipeline.plan.rules import TensorPlan
+    from specmerge.pipeline.run.compute import merge_tensor
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 8, 6, generator=g)
+    experts = [base + 0.1 * torch.randn(3, 8, 6, generator=g) for _ in range(2)]
+    params = get_method("dare_ties").validate({}, 2)
+    entry = TensorPlan(STACK, (3, 8, 6), torch.float32, "merge", "dare_ties", params, "stack", True, True)
+    options = {"device": torch.device("cpu"), "compute_dtype": torch.float32, "expert_keys": ["a", "b"]}
+    whole, diagnostics = merge_tensor(entry, base, [Dense(x) for x in experts], **options)
+    assert diagnostics["route"] == "stacked" and diagnostics["experts"] == 3
+    for e in range(3):
+        part = TensorPlan(f"{STACK}[{e}]", (8, 6), torch.float32, "merge", "dare_ties", params, "stack", True)
+        alone, _ = merge_tensor(part, base[e], [Dense(x[e]) for x in experts], **options)
+        torch.testing.assert_close(whole[e], alone, rtol=0, atol=0)

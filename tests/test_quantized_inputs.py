@@ -132,7 +132,7 @@ def test_each_weight_reads_as_the_dense_weight_its_codes_stand_for(family, tmp_p
         assert source.summary()["dequantized"] == 14  # 7 projections in each of 2 layers
 
 
-@pytest.mark.parametrize("scheme", ["fp8-block", "ct-w4-asym", "gptq-v1-act-order", "awq-gemm", "bnb-nf4-nested"])
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("method", ["task_arithmetic", "swudi_a"])
 def test_merging_quantized_experts_is_merging_their_dequantized_weights(family, tmp_path, scheme, method):
     """The two silent defects of issue 48 (FP8 codes and scales merged as weights; GPTQ codes kept from the base

@@ -13,6 +13,7 @@ import transformers
 
 import specmerge
 from multimodal_models import build_bert_set, perturbed
+from specmerge.cli import main
 from specmerge.errors import SpecmergeError
 from specmerge.io.formats.sources import open_source
 from specmerge.io.views.name_map import NameMapError, find_name_map
@@ -221,3 +222,14 @@ def test_name_maps_that_cannot_be_trusted():
         {"bert.a.weight": (4, 4), "bert.extra.weight": (4, 4)}, {"a.weight": (4, 4)}, what="x", into="y"
     )
     assert found.names == {"a.weight": "bert.a.weight", "extra.weight": "bert.extra.weight"}
+
+
+def test_a_head_the_output_config_never_loads_is_said_on_the_console(bert_set, tmp_path, capsys):
+    """A BertModel base and a classifier expert: the head is kept, but a BertModel config has no place for it
+    (report.json said in_config: false, and nothing else did); the console says so, with both ways out."""
+    capsys.readouterr()
+    out = tmp_path / "out"
+    assert main(["merge", str(bert_set["base"]), str(bert_set["cls0"]), "-o", str(out), "-m", "task_arithmetic"]) == 0
+    err = capsys.readouterr().err
+    assert "module 'classifier' (2 tensors, copied from expert 'cls0') is written, but the output's config" in err
+    assert "--config-source cls0" in err and "--module 'classifier.*=drop'" in err

@@ -1,4 +1,4 @@
-"""The PEFT LoRA adapter format: reading adapters as per-tensor low-rank deltas, and writing merged ones.
+"""The PEFT LoRA adapter format: reading adapters as per-tensor low-rank deltas (:mod:`.peft_write` writes them).
 
 ``open_adapter(folder)`` reads ``adapter_config.json`` and ``adapter_model.safetensors`` (or
 ``adapter_model.bin``); ``adapter.deltas()`` names, for every adapted base weight, the factors of
@@ -22,27 +22,28 @@ those of ``peft.LoraConfig``), and an :class:`AdapterConfigWarning` says which w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import re
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from specmerge.errors import SpecmergeWarning
 from specmerge.io.formats.files import folder_file
 from specmerge.io.formats.names import ADAPTER_CONFIG, ADAPTER_FILES, PEFT_PREFIX, lora_key
 from specmerge.io.formats.peft_fields import AdapterError, check_fields, config_object
+from specmerge.io.formats.peft_params import stack_deltas, stack_rank, targeted_parameter
 from specmerge.io.formats.peft_variants import split_variants
 from specmerge.io.formats.protocol import Closing, TensorInfo, TensorSource
 from specmerge.io.formats.sources import open_stored
-from specmerge.linalg.lowrank import AdapterFactors, LoraDelta
+from specmerge.linalg.lowrank import LoraDelta
 
 _KEY = re.compile(rf"^(?:{re.escape(PEFT_PREFIX)})?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
 # peft.LoraConfig's defaults (peft 0.21, tuners/lora/config.py) for the keys that set the delta.
@@ -149,6 +150,8 @@ class LoraModule:
     shape: tuple[int, int]  # the delta in the base weight's layout
     transposed: bool  # fan_in_fan_out: the base weight is stored d_in x d_out
     embedding: bool = False  # factors lora_embedding_A [r, vocab] / _B [dim, r]: delta = s (B A)^T
+    experts: int = 0  # > 0: LoRA on an MoE expert stack [E, ., .] (target_parameters, specmerge.io.formats.peft_params)
+    swapped: bool = False  # such a stack's slices are [out, in] (transformers' fused Mixtral), else [in, out]
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -218,13 +221,24 @@ class LoraAdapter(Closing):
                     f"{self._source.path}: module '{module}' has lora_A {list(A.shape)} and lora_B {list(B.shape)}, "
                     "which are not the factors of a linear layer"
                 )
-            modules[f"{module}.weight"] = self._module(module, A, B, embedding)
+            param = targeted_parameter(module, self.config)
+            modules[param or f"{module}.weight"] = self._module(module, A, B, embedding, param)
         return modules
 
-    def _module(self, module: str, A: TensorInfo, B: TensorInfo, embedding: bool) -> LoraModule:
+    def _module(
+        self, module: str, A: TensorInfo, B: TensorInfo, embedding: bool, param: str | None = None
+    ) -> LoraModule:
         """One adapted weight, its rank and scale checked against the config (an embedding's factors are
-        lora_embedding_A [r, vocab] and lora_embedding_B [dim, r]: its delta is their product transposed)."""
+        lora_embedding_A [r, vocab] and lora_embedding_B [dim, r]: its delta is their product transposed; an
+        expert stack's, ``param``, hold r ranks per expert)."""
         settings, config_file = self.settings, self.config_name
+        if param is not None:
+            r = _pattern_value(settings.rank_pattern, module, settings.r)
+            experts = stack_rank(A, B, r, param)
+            alpha = float(_pattern_value(settings.alpha_pattern, module, settings.lora_alpha))
+            scale = alpha / (math.sqrt(r) if settings.use_rslora else r)
+            shape = (experts, A.shape[1], B.shape[0])
+            return LoraModule(param, module, r, alpha, scale, shape, False, False, experts)
         rank = A.shape[0]
         expected = _pattern_value(settings.rank_pattern, module, None)
         source = "its rank_pattern entry" if expected is not None else "'r'"
@@ -272,6 +286,13 @@ class LoraAdapter(Closing):
             return LoraDelta(A.T.contiguous(), B.T.contiguous(), module.scale)
         return LoraDelta(B, A, module.scale)
 
+    def load_stack(self, base_name: str) -> list[LoraDelta]:
+        """Each expert's delta of an adapted expert stack (``target_parameters``), in the stack's slice layout."""
+        module = self._modules[base_name]
+        B = self._source.load(self._key(module.module, "B"))
+        A = self._source.load(self._key(module.module, "A"))
+        return stack_deltas(A, B, module.experts, module.scale, module.swapped)
+
     def stored_infos(self) -> dict[str, TensorInfo]:
         """Every tensor the adapter's file holds, by its stored name."""
         return self._source.infos()
@@ -288,12 +309,20 @@ class LoraAdapter(Closing):
 
     def check_base(self, base: dict[str, TensorInfo]) -> None:
         """Every adapted module must be a 2-D base weight of the delta's shape (else: adapter for another base)."""
-        for name, module in self._modules.items():
+        for name, module in list(self._modules.items()):
             info = base.get(name)
             if info is None:
                 raise AdapterError(
                     f"{self.path}: targets '{name}', which the base model does not have; "
                     "was the adapter trained on another base?"
+                )
+            experts, fan_in, fan_out = module.shape if module.experts else (0, 0, 0)
+            if module.experts and tuple(info.shape) == (experts, fan_out, fan_in) and fan_in != fan_out:
+                module = self._modules[name] = dataclasses.replace(module, shape=tuple(info.shape), swapped=True)
+            elif module.experts and fan_in == fan_out:
+                raise AdapterError(
+                    f"{self.path}: its LoRA on the expert stack '{name}' has square slices ({fan_in} x {fan_out}), "
+                    "whose layout its factors do not tell; merge the adapter into the model with PEFT first"
                 )
             if tuple(info.shape) != module.shape:
                 raise AdapterError(
@@ -308,66 +337,6 @@ class LoraAdapter(Closing):
 
     def close(self) -> None:
         self._source.close()
-
-
-def adapter_config(
-    ranks: Mapping[str, int], *, base_model: str, like: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
-    """A PEFT LoRA config for modules of the given ranks, each with scale 1 (lora_alpha = r per module).
-
-    ``ranks`` maps base weight names (``....q_proj.weight``) to ranks. The most common rank is ``r``;
-    the others go to ``rank_pattern`` / ``alpha_pattern`` under their full, regex-escaped module names
-    (PEFT matches pattern keys as regular expressions on the module name's end). ``task_type`` and
-    ``fan_in_fan_out`` are taken from ``like`` (an input adapter's config).
-    """
-    like = like or {}
-    modules = {name.removesuffix(".weight"): rank for name, rank in ranks.items()}
-    counts: dict[int, int] = {}
-    for rank in modules.values():
-        counts[rank] = counts.get(rank, 0) + 1
-    r = max(sorted(counts), key=lambda k: counts[k]) if counts else 1
-    patterns = {re.escape(m): rank for m, rank in sorted(modules.items()) if rank != r}
-    return {
-        "peft_type": "LORA",
-        "task_type": like.get("task_type"),
-        "base_model_name_or_path": base_model,
-        "r": r,
-        "lora_alpha": r,
-        "rank_pattern": patterns,
-        "alpha_pattern": dict(patterns),
-        "target_modules": sorted(modules),
-        "fan_in_fan_out": bool(like.get("fan_in_fan_out", False)),
-        "use_rslora": False,
-        "use_dora": False,
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "modules_to_save": None,
-        "inference_mode": True,
-    }
-
-
-def write_adapter(
-    folder: Path, factors: Mapping[str, AdapterFactors], config: Mapping[str, Any], embeddings: Collection[str] = ()
-) -> None:
-    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` for factors keyed by base weight name.
-
-    The factors are in the base weight's layout (delta W = B A); with ``fan_in_fan_out`` (GPT-2's Conv1D,
-    weights stored d_in x d_out) PEFT's factors are their transposes, lora_B = A^T and lora_A = B^T; for an
-    embedding (``embeddings``: base weight names) PEFT's lora_embedding_A = B^T and lora_embedding_B = A^T.
-    """
-    transposed = bool(config.get("fan_in_fan_out"))
-    tensors: dict[str, torch.Tensor] = {}
-    for name, f in factors.items():
-        module = name.removesuffix(".weight")
-        if name in embeddings:
-            tensors[f"{PEFT_PREFIX}{module}.lora_embedding_A"] = f.B.T.contiguous()
-            tensors[f"{PEFT_PREFIX}{module}.lora_embedding_B"] = f.A.T.contiguous()
-            continue
-        lora_B, lora_A = (f.A.T, f.B.T) if transposed else (f.B, f.A)
-        tensors[lora_key(module, "A")] = lora_A.contiguous()
-        tensors[lora_key(module, "B")] = lora_B.contiguous()
-    save_file(tensors, str(folder / ADAPTER_FILES[0]), metadata={"format": "pt"})
-    (folder / ADAPTER_CONFIG).write_text(json.dumps(dict(config), indent=2) + "\n")
 
 
 def is_adapter(path: str | os.PathLike) -> bool:

@@ -25,7 +25,7 @@ SETS_DELTA = frozenset(
     {"peft_type", "r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "fan_in_fan_out"}
 )
 # read as merge_and_unload makes of them (specmerge.io.formats.peft_variants)
-VARIANTS = frozenset({"use_dora", "lora_bias", "modules_to_save", "trainable_token_indices"})
+VARIANTS = frozenset({"use_dora", "lora_bias", "modules_to_save", "trainable_token_indices", "target_parameters"})
 NO_EFFECT = frozenset(
     {
         "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
@@ -43,7 +43,6 @@ REFUSED: dict[str, tuple[str, str]] = {  # field -> (what it makes the adapter, 
     "kasa_config": ("KaSA: a learned singular-value diagonal between the factors", MERGE_FIRST),
     "monteclora_config": ("MonteCLoRA: factors sampled around a learned mean", MERGE_FIRST),
     "use_bdlora": ("BD-LoRA: block-diagonal factors", MERGE_FIRST),
-    "target_parameters": ("LoRA on parameters (MoE expert stacks), its factors holding r per expert", MERGE_FIRST),
     "layer_replication": (
         "a model whose base layers are repeated",
         "merge_and_unload gives a model with more layers than the base; merge such models as bases of their own",

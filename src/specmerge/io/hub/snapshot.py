@@ -156,6 +156,7 @@ def _fetch(
             folder = _download(where.at(folder.name), shards, endpoint, quiet, reason)
         return Snapshot(folder, folder.name)
     # offline: the cached tree listing (the repository's files when it was downloaded) or the snapshot's files
+    check_ref(cache, repo_id, where.revision)
     try:
         folder = _download(where, [], endpoint, quiet, reason)
     except HubError:
@@ -271,6 +272,23 @@ def _download(where: Where, files: list[str], endpoint: str | None, quiet: bool,
     except Exception as err:
         raise where.error(err, reason) from None
     return Path(folder)
+
+
+def check_ref(cache: Path, repo_id: str, revision: str | None) -> None:
+    """Refuse a cached ``refs/<revision>`` (``main`` by default) that is not a commit hash: a corrupt cache entry,
+    which the hub client blames on the revision ("no such revision")."""
+    ref = cache / ("models--" + repo_id.replace("/", "--")) / "refs" / (revision or "main")
+    if not ref.is_file() or ref.is_symlink():
+        return
+    try:
+        text = ref.read_text(encoding="utf-8", errors="replace").strip()
+    except OSError:
+        return
+    if not FULL_COMMIT.fullmatch(text):
+        raise HubError(
+            f"{repo_id}: the cache's {ref} holds {text[:60]!r}, not a commit hash: the cache entry is corrupt; delete "
+            f"that file and download the repository again (hf download {repo_id})"
+        )
 
 
 def expand_short_commit(cache: Path, repo_id: str, revision: str | None) -> str | None:

@@ -75,7 +75,12 @@ def read_tokenizer(folder: str | os.PathLike, label: str) -> tuple[Any, TokenVoc
                 staged, local_files_only=True, trust_remote_code=False
             )
         except Exception as err:  # transformers raises many kinds; any of them means "cannot be read"
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            reason = str(err).strip().splitlines()[0].replace(staged, str(folder)) if str(err).strip() else ""
+            if "remote_code" in reason or "custom code" in reason:  # never points at the deleted temporary copy
+                raise SourceError(
+                    f"{label}: the tokenizer in {folder} needs its own Python code (auto_map), which specmerge never "
+                    "runs: choose another tokenizer_source (base, or an expert whose tokenizer needs no code)"
+                ) from None
             raise SourceError(
                 f"{label}: transformers cannot read the tokenizer in {folder} ({type(err).__name__}"
                 f"{': ' + reason[:300] if reason else ''}); repair or re-download its tokenizer files"
@@ -106,6 +111,26 @@ def declared_added_tokens(folder: str | os.PathLike) -> frozenset[str]:
         entries = entries.values() if isinstance(entries, dict) else entries if isinstance(entries, list) else []
         found.update(str(e["content"]) for e in entries if isinstance(e, dict) and "content" in e)
     return frozenset(found)
+
+
+def token_ids(folder: str | os.PathLike) -> dict[str, int] | bytes | None:
+    """What says which id each token has in ``folder``'s tokenizer, read without transformers: tokenizer.json's
+    ``model.vocab`` (as a token -> id mapping; a merges-only model's list as given), else the bytes of a
+    sentencepiece ``tokenizer.model``; None when neither is there (or readable)."""
+    files = tokenizer_files(folder)
+    if "tokenizer.json" in files:
+        try:
+            data = json.loads(files["tokenizer.json"].read_text(encoding="utf-8"))
+            vocab = data["model"]["vocab"]
+        except (OSError, ValueError, RecursionError, KeyError, TypeError):
+            return None
+        return vocab if isinstance(vocab, dict) else {json.dumps(entry): i for i, entry in enumerate(vocab)}
+    if "tokenizer.model" in files:
+        try:
+            return files["tokenizer.model"].read_bytes()
+        except OSError:
+            return None
+    return None
 
 
 def vocabulary_of(tokenizer: Any) -> TokenVocabulary:

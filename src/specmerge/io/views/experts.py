@@ -20,7 +20,7 @@ from specmerge.io.formats.peft import AdapterError, LoraAdapter, is_adapter, ope
 from specmerge.io.formats.protocol import Closing, Rows, TensorInfo, TensorSource, row_ranges
 from specmerge.io.formats.sources import open_source
 from specmerge.io.views.adapter_variants import dense_variants, variant_weight
-from specmerge.io.views.task_vectors import Dense, LowRank, TaskVector, Zero, count_nonfinite
+from specmerge.io.views.task_vectors import Dense, LowRank, StackedLowRank, TaskVector, Zero, count_nonfinite
 from specmerge.linalg.lowrank import LoraDelta
 
 NONFINITE_BLOCK_BYTES = 16 * 2**20  # a tensor searched for NaN and Inf is read in blocks of rows this large
@@ -160,10 +160,14 @@ class AdapterExpert(Closing):
         delta = self.adapter.load(name)
         return delta if rows is None else delta.rows(*rows)
 
-    def read(self, name: str, rows: Rows = None) -> LowRank | Zero | Dense:
+    def read(self, name: str, rows: Rows = None) -> LowRank | Zero | Dense | StackedLowRank:
         if name in self._dense:
             weight = variant_weight(self.adapter, name, self._dense[name], self._base)
             return Dense(weight if rows is None else weight[rows[0] : rows[1]])
+        module = self._modules.get(name)
+        if module is not None and module.experts:  # LoRA on an expert stack: a delta per expert
+            stack = StackedLowRank(tuple(self.adapter.load_stack(name)))
+            return stack if rows is None else stack.rows(*rows)
         delta = self.load_delta(name, rows)
         if delta is not None:
             return LowRank(delta)
@@ -178,6 +182,10 @@ class AdapterExpert(Closing):
         if name in self._dense:
             count = count_nonfinite(variant_weight(self.adapter, name, self._dense[name], self._base))
             return f"{count} entries of the merged {self._dense[name]} of {label} '{self.path}'" if count else None
+        if name in self._modules and self._modules[name].experts:
+            stack = self.read(name)
+            count, total = stack.nonfinite_count(), sum(t.numel() for t in stack.tensors())
+            return f"{count} of the {total} entries of the LoRA factors of {label} '{self.path}'" if count else None
         delta = self.load_delta(name)
         if delta is None:
             return None

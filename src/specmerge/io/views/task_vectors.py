@@ -140,7 +140,45 @@ class Zero:
         return 0
 
 
-TaskVector = Dense | LowRank | Zero
+@dataclass(frozen=True)
+class StackedLowRank:
+    """A LoRA on an MoE expert stack (PEFT's ``target_parameters``): one low-rank delta per expert slice, each in
+    the slices' stored layout. A stack is merged slice by slice (:func:`specmerge.pipeline.run.compute.stacked_delta`
+    takes each slice's :class:`LowRank`); linear methods and averages fill the whole stack at once."""
+
+    deltas: tuple[LoraDelta, ...]
+    kind: ClassVar[str] = "low_rank"
+
+    def select(self, index: int) -> LowRank:
+        return LowRank(self.deltas[index])
+
+    def rows(self, start: int, stop: int) -> StackedLowRank:
+        return StackedLowRank(self.deltas[start:stop])
+
+    def transposed(self) -> StackedLowRank:
+        raise ValueError("a stack of experts' deltas is transposed slice by slice, not as a whole")
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for d in self.deltas for t in (d.B, d.A))
+
+    def low_rank(self, *, dtype: torch.dtype, device: torch.device | str) -> LoraDelta | None:
+        return None  # a stack has no single low-rank form
+
+    def write_into(self, out: torch.Tensor, base: torch.Tensor | None) -> None:
+        out.zero_()
+        self.add_into(out)
+
+    def add_into(self, total: torch.Tensor) -> int:
+        for slice_, delta in zip(total, self.deltas, strict=True):
+            d = delta.to(total.device, total.dtype)
+            slice_.addmm_(d.B, d.A, alpha=d.scale)
+        return 0
+
+    def nonfinite_count(self) -> int:
+        return sum(count_nonfinite(t) for t in self.tensors())
+
+
+TaskVector = Dense | LowRank | Zero | StackedLowRank
 
 
 def task_vector_stack(

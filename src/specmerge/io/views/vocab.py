@@ -33,6 +33,7 @@ vocabulary tensor is refused when the vocabulary is aligned.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,9 +48,12 @@ from specmerge.io.output.tokenizers import (
     declared_added_tokens,
     read_tokenizer,
     save_tokenizer,
+    token_ids,
 )
 from specmerge.io.views.experts import Expert
 from specmerge.io.views.vocab_views import RowMap, aligned_views
+
+LOG = logging.getLogger("specmerge.inputs")  # what the console says of the inputs
 
 # Name components of token embeddings and output heads (one row per token), across model families.
 VOCABULARY_COMPONENTS = frozenset(
@@ -162,6 +166,13 @@ def align_vocabulary(
     if plan.tokenizer is None:  # the files of the chosen expert's tokenizer, or of the base's
         plan.tokenizer_from = folder_of(expert_paths[chosen] if chosen is not None else base_path)
     plan.rows = max(base_rows, out_vocab.size) if chosen is None else rows[chosen]
+    for vocab, label, n in zip(vocabs, labels, rows, strict=True):  # rows no token names, beyond the output's
+        if n > plan.rows and n > vocab.size:
+            LOG.warning(
+                f"{label} has {n} rows in '{names[0]}' but its tokenizer names {vocab.size} tokens: the "
+                f"{n - max(plan.rows, vocab.size)} rows beyond both (padding, or rows of tokens its tokenizer does not "
+                f"name) are not in the output, which has {plan.rows}"
+            )
     row_map = RowMap.build(out_vocab, plan.rows, base_vocab, base_rows, vocabs, rows)
     plan.notes = {
         "tokenizer_source": shown,
@@ -180,16 +191,23 @@ def align_vocabulary(
 
 def _declare_new_tokens(base_path: Path, experts: Sequence[Expert], expert_paths: Sequence[Path]) -> bool:
     """Whether a full expert's tokenizer files declare an added token that the base's do not (a token added in
-    the base's padding rows, without resizing the embeddings): then rows are matched by token too. Only a base
-    with tokenizer files can tell (adapters keep the base's vocabulary)."""
+    the base's padding rows, without resizing the embeddings), or whose token ids differ from the base's (another
+    id for a token at the same vocabulary size): then rows are matched by token too. Only a base with tokenizer
+    files can tell (adapters keep the base's vocabulary)."""
     folder = folder_of(base_path)
     if folder is None or not tokenizer_files(folder):
         return False
-    declared = declared_added_tokens(folder)
+    declared, ids = declared_added_tokens(folder), None
     for expert, path in zip(experts, expert_paths, strict=True):
-        folder = folder_of(path)
-        if not expert.low_rank and folder is not None and declared_added_tokens(folder) - declared:
+        other = folder_of(path)
+        if expert.low_rank or other is None or not tokenizer_files(other):
+            continue
+        if declared_added_tokens(other) - declared:
             return True
+        ids = token_ids(folder) if ids is None else ids
+        theirs = token_ids(other)
+        if ids is not None and theirs is not None and theirs != ids:
+            return True  # the same size, other ids for the tokens: rows are matched by token, not by id
     return False
 
 

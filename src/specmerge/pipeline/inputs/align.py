@@ -33,6 +33,7 @@ averaged, whether the output's config has it) and ``dropped``.
 from __future__ import annotations
 
 import fnmatch
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ from specmerge.pipeline.inputs.vocabulary import vocabulary_stage
 from specmerge.pipeline.recipe.input_choice import DROP, input_index
 from specmerge.pipeline.recipe.model import Recipe
 
+LOG = logging.getLogger("specmerge.inputs")
 MIN_MATCHED_SHARE = 0.5  # a name map must match at least this share of the tensors two checkpoints could share
 
 
@@ -145,6 +147,7 @@ def align_inputs(
         notes["names"] = names
     if groups:
         notes["modules"] = groups
+        say_unloaded(groups, "the base's" if source < 0 else f"expert '{keys[source]}''s")
     gone = _dropped_notes(dropped, chosen, kept_base, into)
     if gone:
         notes["dropped"] = gone
@@ -251,6 +254,20 @@ def _unused_pattern(pattern: str, own_names: Sequence[str], shared: Sequence[str
         f"modules '{pattern}' matches no tensor of the experts' own modules (names look like '{example}'): fix the "
         "pattern or remove it"
     )
+
+
+def say_unloaded(groups: Sequence[Mapping[str, Any]], config: str) -> None:
+    """A console line for each kept own module that the output's config has no place for: transformers would
+    never load it (report.json's ``in_config: false``)."""
+    for group in groups:
+        if not group["in_config"]:
+            source = group["from"][0]
+            LOG.warning(
+                f"module '{group['module']}' ({group['tensors']} tensors, {group['how']} from expert "
+                f"'{', '.join(group['from'])}') is written, but the output's config ({config}) has no such module, so "
+                f"transformers will not load it: to build on that expert's model, --config-source {source}; "
+                f"else drop it, --module '{group['module']}.*=drop'"
+            )
 
 
 def _own_tensors(

@@ -23,6 +23,12 @@ def check_lora_output(recipe: Recipe, plan: Sequence[TensorPlan], experts: Seque
                 f"output_format lora: adapter '{expert.path}' carries {', '.join(expert.variant_kinds)}, which are "
                 "not LoRA deltas and cannot be written as a LoRA adapter: write a merged model (output_format model)"
             )
+    stacked = next((e.name for e in plan if e.stacked and any(x.changes(e.name) for x in experts)), None)
+    if stacked is not None:
+        raise PlanError(
+            f"output_format lora: the adapters change the MoE expert stack '{stacked}', which specmerge does not "
+            "write back as LoRA on parameters yet: write a merged model (output_format model)"
+        )
     full = [str(e.path) for e in experts if not e.low_rank]
     if full:
         raise PlanError(

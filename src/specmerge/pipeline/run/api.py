@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from specmerge.errors import RecipeError
-from specmerge.io.formats.peft import adapter_config, write_adapter
+from specmerge.io.formats.peft_write import adapter_config, write_adapter
 from specmerge.io.formats.protocol import TensorInfo
 from specmerge.io.hub.ids import absolute_spec
 from specmerge.io.output.folder import OUTPUT_LOG, atomic_directory, check_output

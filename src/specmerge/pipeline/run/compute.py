@@ -190,6 +190,8 @@ def stacked_delta(
         delta, diagnostics = merged_delta(
             part, None if base_c is None else base_c[e], [v.select(e) for v in values], **options
         )
+        if isinstance(delta, FactoredResult):  # a LoRA stack's slice merged exactly on its factors
+            delta = delta.left @ delta.right
         if delta is not None:
             out[e].copy_(delta)
         per_expert.append(diagnostics)
