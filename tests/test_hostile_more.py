@@ -179,3 +179,21 @@ def test_expert_rows_beyond_its_tokenizer_and_the_output_are_said_when_dropped(t
     err = capsys.readouterr().err
     assert re.search(r"expert 'tool' has 300 rows in '[\w.]+' but its tokenizer names 66 tokens", err), err
     assert "the 234 rows beyond both" in err and "which has 66" in err
+
+
+def test_ray_under_quiet_prints_nothing_and_leaves_no_session_files(tmp_path):
+    """Ray printed its token-authentication warning under -q and left its session logs in /tmp (a real process:
+    Ray's own log handlers write to the process's stderr)."""
+    pytest.importorskip("ray")
+    import subprocess
+    import sys
+    import tempfile
+
+    base, experts = build_family(tmp_path / "models", "llama", n_experts=2)
+    before = {p.name for p in Path(tempfile.gettempdir()).glob("specmerge-ray-*")}
+    args = ["merge", str(base), *map(str, experts), "-o", str(tmp_path / "out"), "-q", "-m", "task_arithmetic"]
+    done = subprocess.run(
+        [sys.executable, "-m", "specmerge", *args, "--executor", "ray"], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert {p.name for p in Path(tempfile.gettempdir()).glob("specmerge-ray-*")} == before

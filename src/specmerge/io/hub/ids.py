@@ -53,6 +53,11 @@ TRUE_VALUES = {"1", "ON", "YES", "TRUE"}  # as huggingface_hub reads its boolean
 _QUIET = contextvars.ContextVar("specmerge_hub_quiet", default=False)
 
 
+def console_quiet() -> bool:
+    """Whether the command runs with ``--quiet`` (:func:`announce_inputs` with ``enabled`` False): errors only."""
+    return _QUIET.get()
+
+
 def parse_hub_id(spec: str) -> tuple[str, str | None] | None:
     """``(repo_id, revision)`` when ``spec`` has the shape of a hub id (``org/name`` or ``name``, optionally
     ``@revision``; revision None when not given), else None. Paths such as ``./x``, ``/x``, ``~/x``, ``a/b/c`` or

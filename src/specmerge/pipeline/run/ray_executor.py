@@ -28,8 +28,10 @@ import importlib.util
 import logging
 import os
 import resource
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -38,6 +40,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from specmerge.errors import SpecmergeError
+from specmerge.io.hub.ids import console_quiet
 from specmerge.methods import get_method
 from specmerge.pipeline.run.executor import BAR_FORMAT
 from specmerge.pipeline.run.threads import merge_threads
@@ -114,6 +117,7 @@ class RayExecutor:
     ) -> None:
         check_ray()
         self.address, self.num_cpus, self.cpus_per_task = address, num_cpus, cpus_per_task
+        self._session: str | None = None  # the session folder of a Ray started here
         self.max_retries, self.threads = max_retries, threads
         self.stats: dict[str, Any] = {}
 
@@ -134,6 +138,9 @@ class RayExecutor:
         finally:
             if started_here:
                 ray.shutdown()
+                if self._session is not None:  # its logs and sockets, not left in /tmp
+                    shutil.rmtree(self._session, ignore_errors=True)
+                    self._session = None
 
     def check_reachable(self, timeout: float = CONNECT_TIMEOUT) -> None:
         """Refuse, before any work (and before the output's work folder exists), a cluster address nothing answers
@@ -153,9 +160,11 @@ class RayExecutor:
 
     def _connect(self, ray: Any) -> None:
         try:
-            quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
-            if self.address is None:
-                ray.init(num_cpus=self.num_cpus, include_dashboard=False, **quiet)
+            # --quiet: Ray's own warnings (its token-authentication notice) are not printed either
+            quiet = {"log_to_driver": False, "logging_level": logging.ERROR if console_quiet() else logging.WARNING}
+            if self.address is None:  # a Ray of our own: its session files in a folder removed when it stops
+                self._session = tempfile.mkdtemp(prefix="specmerge-ray-")
+                ray.init(num_cpus=self.num_cpus, include_dashboard=False, _temp_dir=self._session, **quiet)
             else:
                 ray.init(address=self.address, **quiet)
         except (ConnectionError, RuntimeError, ValueError) as err:
