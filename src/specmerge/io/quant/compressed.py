@@ -199,6 +199,13 @@ class CompressedTensors(Scheme):
         scale = self._scale_rows(parts["scale"], read, scale_rows)
         zeros = self._zeros(packed, read, scale_rows, shape)
         out = codes.to(torch.float32)
+        del codes
+        if args.strategy == "group" and "groups" not in parts and shape[-1] % args.group_size == 0:
+            grouped = out.unflatten(-1, (shape[-1] // args.group_size, args.group_size))  # a view: no spread copy
+            if zeros is not None:
+                grouped.sub_(zeros.unsqueeze(-1))
+            grouped.mul_(scale.unsqueeze(-1))
+            return out
         if zeros is not None:
             out.sub_(zeros if args.strategy != "group" else self._spread(packed, read, zeros))
         if args.strategy == "group":

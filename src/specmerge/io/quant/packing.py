@@ -21,6 +21,11 @@ def unpack_int32(packed: torch.Tensor, bits: int, count: int, dim: int) -> torch
     as int32 (values 0 .. 2**bits - 1)."""
     if not 1 <= bits <= 8:
         raise ValueError(f"packed codes of {bits} bits: expected 1 to 8")
+    if 32 % bits == 0:  # whole codes in each word: shift in int32, one code-sized array (no int64 gathers)
+        shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+        words = packed.movedim(dim, -1).to(torch.int32)
+        codes = (words.unsqueeze(-1) >> shifts).bitwise_and_((1 << bits) - 1)  # the sign bits shifted in: masked
+        return codes.reshape(*words.shape[:-1], -1)[..., :count].movedim(-1, dim)
     words = packed.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
     starts = torch.arange(count, dtype=torch.int64) * bits
     first, shift = starts // 32, starts % 32
