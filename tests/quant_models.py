@@ -20,8 +20,11 @@ from safetensors.torch import load_file, save_file
 FP8_MAX = 448.0  # largest float8_e4m3fn
 
 
-def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[dict, torch.Tensor]:
-    """``weight`` (float8_e4m3fn) and ``weight_scale_inv`` (float32, one per block, or one number for None)."""
+def fp8_block_quantize(
+    w: torch.Tensor, block: tuple[int, int] | None, *, ue8m0: bool = False
+) -> tuple[dict, torch.Tensor]:
+    """``weight`` (float8_e4m3fn) and ``weight_scale_inv`` (float32, one per block, or one number for None; with
+    ``ue8m0`` a power of two stored as float8_e8m0fnu, as DeepSeek's ``scale_fmt: ue8m0`` checkpoints)."""
     rows, cols = w.shape
     bo, bi = block or (rows, cols)
     nr, nc = math.ceil(rows / bo), math.ceil(cols / bi)
@@ -32,10 +35,13 @@ def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[
         for c in range(nc):
             tile = w[r * bo : (r + 1) * bo, c * bi : (c + 1) * bi]
             s = float(tile.abs().max()) / FP8_MAX or 1.0
+            if ue8m0:
+                s = 2.0 ** math.ceil(math.log2(s))
             q = (tile / s).to(torch.float8_e4m3fn)
             scale[r, c] = s
             codes[r * bo : (r + 1) * bo, c * bi : (c + 1) * bi] = q
             dense[r * bo : (r + 1) * bo, c * bi : (c + 1) * bi] = q.float() * torch.tensor(s, dtype=torch.float32)
+    scale = scale.to(torch.float8_e8m0fnu) if ue8m0 else scale
     return {"weight": codes, "weight_scale_inv": scale if block else scale.reshape(())}, dense
 
 

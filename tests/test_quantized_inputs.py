@@ -57,6 +57,10 @@ SCHEMES = {
         lambda w: fp8_block_quantize(w, (16, 24)),  # 24 does not divide 32 or 48: partial blocks
         {"quant_method": "fp8", "weight_block_size": [16, 24], "activation_scheme": "dynamic", "fmt": "e4m3"},
     ),
+    "fp8-block-ue8m0": (
+        lambda w: fp8_block_quantize(w, (16, 16), ue8m0=True),
+        {"quant_method": "fp8", "weight_block_size": [16, 16], "scale_fmt": "ue8m0"},
+    ),
     "fp8-tensor": (lambda w: fp8_block_quantize(w, None), {"quant_method": "fp8", "weight_block_size": None}),
     "fbgemm-fp8": (fbgemm_quantize, {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}),
     "ct-w4a16": (

@@ -44,6 +44,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 for _code, _attr in (
     ("F8_E4M3", "float8_e4m3fn"),
     ("F8_E5M2", "float8_e5m2"),
+    ("F8_E8M0", "float8_e8m0fnu"),  # power-of-two scales (DeepSeek's ue8m0 FP8 checkpoints)
     ("U16", "uint16"),
     ("U32", "uint32"),
     ("U64", "uint64"),

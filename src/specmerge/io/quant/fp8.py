@@ -74,7 +74,7 @@ class FineGrainedFP8(Scheme):
                 expected = (*shape[:-2], *(blocks_needed(d, b) for d, b in zip(shape[-2:], self.block, strict=True)))
                 self.check(infos, name, expected, "float|fp8")
             found.append(Packed(weight, shape, {"codes": weight, "scale": name}))
-        claimed = {p.name for p in found}
+        claimed = {part for p in found for part in p.parts.values()}  # ue8m0 scales are 8-bit floats too
         for name, info in infos.items():
             if number_kind(info.dtype) == "fp8" and name not in claimed:
                 raise self.error(name, "is stored in fp8 with no weight_scale_inv beside it")
