@@ -58,13 +58,11 @@ def quantized_parts(name: str, weight, scheme: str) -> dict:
     module = name[: -len(".weight")]
     w = weight.to(torch.float32)
     rows, cols = w.shape
-    if scheme == "fp8-block":
-        pr, pc = math.ceil(rows / 128) * 128, math.ceil(cols / 128) * 128
-        padded = torch.nn.functional.pad(w, (0, pc - cols, 0, pr - rows))
-        blocks = padded.reshape(pr // 128, 128, pc // 128, 128)
-        scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
-        codes = (blocks / scale[:, None, :, None]).reshape(pr, pc)[:rows, :cols].to(torch.float8_e4m3fn)
-        return {f"{module}.weight": codes.contiguous(), f"{module}.weight_scale_inv": scale}
+    if scheme == "fp8-block":  # what --quantize fp8-block writes
+        from specmerge.io.quant.output import BLOCK, fp8_codes
+
+        codes, scale = fp8_codes(w, BLOCK)
+        return {f"{module}.weight": codes, f"{module}.weight_scale_inv": scale}
     groups = w.reshape(rows, cols // 128, 128)
     scale = (groups.abs().amax(dim=-1) / 7.0).clamp(min=1e-12).to(torch.bfloat16)
     codes = torch.round(groups / scale.float()[..., None]).clamp(-8, 7).reshape(rows, cols).to(torch.int32) + 8

@@ -70,10 +70,9 @@ def split_variants(
     saving = [m for m in (config.get("modules_to_save") or []) if isinstance(m, str)]
     factors = {}
     for name, info in infos.items():
-        kind = next((k for suffix, k in SUFFIXES.items() if name.endswith(suffix)), None)
-        if kind is not None:
-            module = _module(name)[: -len(next(s for s, k in SUFFIXES.items() if k == kind))]
-            getattr(variants, kind)[module] = name
+        suffix = next((suffix for suffix in SUFFIXES if name.endswith(suffix)), None)
+        if suffix is not None:
+            getattr(variants, SUFFIXES[suffix])[_module(name)[: -len(suffix)]] = name
             continue
         stripped = _module(name)
         owner = stripped.rsplit(".", 1)[0]
@@ -92,6 +91,13 @@ def dora_weight(base: torch.Tensor, delta: torch.Tensor, magnitude: torch.Tensor
     combined = base.to(torch.float32) + delta.to(torch.float32)
     norm = torch.linalg.norm(combined, dim=1)
     return combined.mul_((magnitude.to(torch.float32) / norm).unsqueeze(1))
+
+
+def token_indices(config: Mapping[str, Any], module: str) -> Any:
+    """The token ids whose rows ``module``'s trainable tokens hold: ``trainable_token_indices`` (a list, or a
+    mapping from the embedding's last name to a list)."""
+    indices = config.get("trainable_token_indices")
+    return indices.get(module.rsplit(".", 1)[-1], []) if isinstance(indices, dict) else indices
 
 
 def token_rows(base: torch.Tensor, indices: list[int], rows: torch.Tensor) -> torch.Tensor:

@@ -232,12 +232,8 @@ class CompressedTensors(Scheme):
         args: WeightArgs = packed.detail["args"]
         if packed.detail["format"] == "pack-quantized" and args.strategy in ("group", "channel"):
             stored = read(name, None)
-            count = shape[-2]
-            zeros = unpack_int32(stored, args.bits, count, dim=-2) - (1 << (args.bits - 1))
-            zeros = zeros[row_slice(rows, count)] if len(shape) == 2 else zeros
-            if len(shape) > 2 and rows is not None:
-                zeros = zeros[rows[0] : rows[1]]
-            return zeros.to(torch.float32)
+            zeros = unpack_int32(stored, args.bits, shape[-2], dim=-2) - (1 << (args.bits - 1))
+            return zeros[row_slice(rows, zeros.shape[0])].to(torch.float32)  # dim 0: rows, or a stack's experts
         return read(name, rows).to(torch.float32)
 
 

@@ -81,7 +81,7 @@ class GroupedInt(Scheme):
     def zero_shape(self, groups: int, fan_out: int) -> tuple[int, int]:
         return groups, blocks_needed(fan_out * self.bits, 32)
 
-    def group_count(self, fan_in: int, module: str) -> int:
+    def group_count(self, fan_in: int) -> int:
         return 1 if self.group_size == -1 else blocks_needed(fan_in, self.group_size)
 
     def dequantize(self, packed: Packed, read: Read, rows: Rows) -> torch.Tensor:
@@ -130,7 +130,7 @@ class GPTQ(GroupedInt):
         if blocks_needed(fan_in * self.bits, 32) != packed_in:
             raise self.error(f"{module}.qweight", f"has {packed_in} rows, which cannot hold {fan_in} inputs")
         if g_idx is None or scales is None or len(scales.shape) != 2:
-            return fan_in, fan_out, self.group_count(fan_in, module)
+            return fan_in, fan_out, self.group_count(fan_in)
         return fan_in, fan_out, scales.shape[0]  # g_idx says which group each input row is in
 
     def codes(self, stored: torch.Tensor, fan_in: int, fan_out: int) -> torch.Tensor:
@@ -162,7 +162,7 @@ class AWQ(GroupedInt):
 
     def shapes(self, infos: Mapping[str, TensorInfo], module: str) -> tuple[int, int, int]:
         fan_in, packed_out = infos[f"{module}.qweight"].shape
-        return fan_in, packed_out * 8, self.group_count(fan_in, module)
+        return fan_in, packed_out * 8, self.group_count(fan_in)
 
     def codes(self, stored: torch.Tensor, fan_in: int, fan_out: int) -> torch.Tensor:
         return awq_columns(unpack_int32(stored, 4, fan_out, dim=1))

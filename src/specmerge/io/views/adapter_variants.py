@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import torch
 
 from specmerge.io.formats.peft import AdapterError, LoraAdapter
-from specmerge.io.formats.peft_variants import dora_weight, token_rows
+from specmerge.io.formats.peft_variants import dora_weight, token_indices, token_rows
 from specmerge.io.formats.protocol import TensorInfo, TensorSource
 
 
@@ -46,11 +46,10 @@ def dense_variants(adapter: LoraAdapter, base: Mapping[str, TensorInfo]) -> dict
     for base_name, name in variants.saved.items():
         need(base_name, tuple(stored[name].shape), "saved copy (modules_to_save)")
         dense[base_name] = "saved module"
-    indices = adapter.config.get("trainable_token_indices")
     for module, name in variants.tokens.items():
-        ids = indices.get(module.rsplit(".", 1)[-1], []) if isinstance(indices, dict) else indices
+        ids = token_indices(adapter.config, module)
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise AdapterError(f"{adapter.config_name}: trainable_token_indices {indices!r} is not a list of token ids")
+            raise AdapterError(f"{adapter.config_name}: trainable_token_indices {ids!r} is not a list of token ids")
         weight = f"{module}.weight"
         rows, dim = stored[name].shape
         info = base.get(weight)
@@ -78,6 +77,4 @@ def variant_weight(adapter: LoraAdapter, name: str, kind: str, base: TensorSourc
     if kind == "LoRA bias":
         scale = adapter.modules()[f"{module}.weight"].scale
         return w0.to(torch.float32) + scale * adapter.load_stored(variants.bias[module]).to(torch.float32)
-    indices = adapter.config.get("trainable_token_indices")
-    ids = indices.get(module.rsplit(".", 1)[-1], []) if isinstance(indices, dict) else indices
-    return token_rows(w0, ids, adapter.load_stored(variants.tokens[module]))
+    return token_rows(w0, token_indices(adapter.config, module), adapter.load_stored(variants.tokens[module]))

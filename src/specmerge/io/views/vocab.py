@@ -33,6 +33,7 @@ vocabulary tensor is refused when the vocabulary is aligned.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -197,16 +198,15 @@ def _declare_new_tokens(base_path: Path, experts: Sequence[Expert], expert_paths
     folder = folder_of(base_path)
     if folder is None or not tokenizer_files(folder):
         return False
-    declared, ids = declared_added_tokens(folder), None
+    declared = declared_added_tokens(folder)
+    base_ids = functools.cache(lambda: token_ids(folder))  # read at most once, and only if an expert has files
     for expert, path in zip(experts, expert_paths, strict=True):
         other = folder_of(path)
         if expert.low_rank or other is None or not tokenizer_files(other):
             continue
         if declared_added_tokens(other) - declared:
             return True
-        ids = token_ids(folder) if ids is None else ids
-        theirs = token_ids(other)
-        if ids is not None and theirs is not None and theirs != ids:
+        if base_ids() is not None and token_ids(other) not in (None, base_ids()):
             return True  # the same size, other ids for the tokens: rows are matched by token, not by id
     return False
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specmerge.io.formats.layout import read_config, transposed_weights
+from specmerge.io.formats.layout import read_config, weights_stored_in_out
 from specmerge.io.formats.protocol import TensorSource
 from specmerge.io.formats.stacks import expert_stacks
 from specmerge.io.hub.ids import InputResolution
@@ -64,8 +64,9 @@ def prepare_merge(stack: ExitStack, recipe: Recipe, output: str | Path | None) -
         config_files(config_path)
         if aligned.vocabulary is not None and aligned.vocabulary.tokenizer_from is not None:
             tokenizer_files(aligned.vocabulary.tokenizer_from)
-    transposed = transposed_weights(config_path, base.infos(), experts)
-    stacks = expert_stacks(read_config(config_path), base.infos())
+    config = read_config(config_path)  # read once: which weights are stored (in, out), which are expert stacks
+    transposed = weights_stored_in_out(config, base.infos(), experts)
+    stacks = expert_stacks(config, base.infos())
     plan = make_plan(
         recipe, base.infos(), [e.infos() for e in experts], list(recipe.experts), transposed, aligned.own, stacks
     )
