@@ -14,13 +14,16 @@ orderings as paired per-seed differences with each row's own seed std (``specmer
 WUDI step sweep's best step count, and writes ``accuracy-settings.png`` and ``wudi-steps-settings.png`` in --out.
 Where one setting's tasks are a proper subset of another's (8 and 16 tasks, same track), it also prints each row
 on the smaller setting's tasks merged alone and within the larger one, paired by seed.
-Reads only the results files: no model is loaded and nothing is scored.
+With ``--tables``, each setting's full tables follow (every row's average, normalised, gap closed and per-task
+test accuracy; AdaMerging and the WUDI step sweep), as the benchmark writes them in ``results.md``, over the pooled
+seeds. Reads only the results files: no model is loaded and nothing is scored.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from specmerge_bench.accuracy import report
 from specmerge_bench.accuracy.compare import ResultsError, load_setting, markdown, plots
 from specmerge_bench.inputs import Parser, fail
 
@@ -31,6 +34,7 @@ def main() -> None:
                         help="a setting's name and its runs (results folders, score files), comma-separated; repeat "
                              "for each setting")  # fmt: skip
     parser.add_argument("--out", type=Path, help="folder for the two plots (default: no plots)")
+    parser.add_argument("--tables", action="store_true", help="also each setting's full tables (per task)")
     args = parser.parse_args()
     settings = {}
     for item in args.setting:
@@ -44,6 +48,9 @@ def main() -> None:
         except ResultsError as err:
             fail(parser.prog, str(err))
     print(markdown(settings))
+    if args.tables:
+        for name, setting in settings.items():
+            print(f"\n## {name}\n\n{report.markdown(setting['summary'])}")
     if args.out is not None:
         for path in plots(settings, args.out):
             print(f"wrote {path}")

@@ -21,6 +21,33 @@ def test_auto_picks_bfloat16_only_on_a_cpu_with_native_bf16(monkeypatch, native,
         precision.resolve("fp16")
 
 
+X86 = "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu sse sse2 avx avx2 fma {}\nbugs\t\t: spectre_v1\n\n"
+AVX512 = "avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni"  # AVX512-core: oneDNN says bf16, but emulated
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "expected"),
+    [
+        (X86.format(f"{AVX512} avx512_bf16"), "bfloat16"),  # Cooper Lake, Zen 4
+        (X86.format(f"{AVX512} amx_tile amx_bf16 amx_int8"), "bfloat16"),  # AMX
+        (X86.format(AVX512), "float32"),  # Skylake/Cascade Lake server: bf16 only emulated
+        (X86.format("avx512f"), "float32"),
+        (X86.format(""), "float32"),  # AVX2 only
+        ("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\nCPU implementer\t: 0x41\n", "bfloat16"),  # ARM, BF16
+        ("processor\t: 0\nFeatures\t: fp asimd evtstrm aes crc32\n", "float32"),  # ARM without BF16
+        (None, "float32"),  # no /proc/cpuinfo: another OS
+    ],
+)
+def test_auto_reads_native_bf16_from_the_cpu_flags(monkeypatch, tmp_path, cpuinfo, expected):
+    """Native means AVX512-BF16 or AMX (or ARM's BF16), not oneDNN's rule, which counts any AVX512-core CPU."""
+    path = tmp_path / "cpuinfo"
+    if cpuinfo is not None:
+        path.write_text(cpuinfo * 2)  # one block per processor
+    monkeypatch.setattr(precision, "CPUINFO", path)
+    assert precision.resolve("auto") == expected
+    assert precision.native_bf16() == (expected == "bfloat16")
+
+
 def test_the_precision_holds_for_a_block_and_is_in_the_tag(monkeypatch):
     before = precision.current()
     with precision.using("float32") as name:

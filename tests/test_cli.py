@@ -8,9 +8,14 @@ as a YAML recipe does. The command line's refusals (one line, exit 2) are tested
 
 from __future__ import annotations
 
+import argparse
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -238,3 +243,130 @@ def test_specmerge_bench_in_process_returns_the_benchmarks_status(capfd):
     caller's process goes on (the library itself never imports specmerge_bench: tests/test_architecture.py)."""
     assert main(["bench", "speed", "--no-such-flag"]) == 2
     assert "specmerge-bench: error: unrecognized arguments: --no-such-flag" in capfd.readouterr().err
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return {
+        name: sub
+        for action in parser._actions
+        if isinstance(action, argparse._SubParsersAction)
+        for name, sub in action.choices.items()
+    }
+
+
+def test_every_help_is_plain_text(capsys):
+    """Descriptions and help texts come from docstrings and field descriptions: their reStructuredText literals
+    (````x````) are shown as `x`, in every command's --help and specmerge-bench's."""
+    import specmerge.cli
+    from specmerge_bench import cli as bench_cli
+    from specmerge_bench import speed
+
+    shown = {}
+    for name in ["", *_subcommands(build_parser())]:
+        if name == "bench":
+            continue  # specmerge-bench's own help, below
+        with pytest.raises(SystemExit):
+            main([name, "--help"] if name else ["--help"])
+        shown[name] = capsys.readouterr().out
+    for name in ["", *_subcommands(bench_cli.build_parser())]:
+        with pytest.raises(SystemExit):
+            bench_cli.main([name, "--help"] if name else ["--help"])
+        shown[f"bench {name}"] = capsys.readouterr().out
+    assert {name for name, text in shown.items() if "``" in text} == set()
+    assert "``merge``" in specmerge.cli.__doc__ and "The options of `merge` and `inspect`" in shown[""]
+    assert "``specmerge-bench speed``" in speed.__doc__ and "`specmerge-bench speed`" in shown["bench speed"]
+
+
+def _through_a_pipe(args: list[str], *, read_first_line: bool) -> tuple[str, int, str]:
+    """``python -m specmerge ARGS`` with stdout a real pipe of one page (4 KiB, so that a longer output cannot fit
+    in it) whose reader goes away after reading the first line, or before anything is written; the line read,
+    the exit status and stderr."""
+    import fcntl
+
+    reader, writer = os.pipe()
+    fcntl.fcntl(writer, fcntl.F_SETPIPE_SZ, 4096)
+    if not read_first_line:
+        os.close(reader)
+    child = subprocess.Popen([sys.executable, "-m", "specmerge", *args], stdout=writer, stderr=subprocess.PIPE)
+    os.close(writer)
+    line = b""
+    if read_first_line:
+        while not line.endswith(b"\n") and (byte := os.read(reader, 1)):
+            line += byte
+        os.close(reader)
+    _, err = child.communicate(timeout=300)
+    return line.decode(), child.returncode, err.decode()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="sizes the pipe with fcntl's F_SETPIPE_SZ (Linux)")
+@pytest.mark.parametrize(
+    ("args", "read_first_line", "first_line"),
+    [
+        (["methods"], True, "weight_average  (Weight average)\n"),  # `specmerge methods | head -1`
+        (["schema"], True, "{\n"),
+        (["methods", "ties"], False, ""),  # all of it held in stdout's buffer until the end
+        (["bench", "speed", "--sets", "tiny", "--methods", "task_arithmetic", "--repeats", "1"], False, ""),
+    ],
+)
+def test_a_reader_gone_from_stdout_ends_the_output_quietly(args, read_first_line, first_line):
+    """As `yes | head -1` ends: no message, status 141 (128 + SIGPIPE), never "error: [Errno 32] Broken pipe"."""
+    assert _through_a_pipe(args, read_first_line=read_first_line) == (first_line, 141, "")
+
+
+def test_a_broken_pipe_other_than_stdout_is_still_an_error(capsys):
+    from specmerge.cli.running import broken_pipe
+
+    assert broken_pipe(BrokenPipeError(32, "Broken pipe"), "specmerge") == 2  # stdout here is no pipe
+    assert capsys.readouterr().err == "specmerge: error: [Errno 32] Broken pipe\n"
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
+        except OSError:
+            continue
+        if stat and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _gone(pid: int, *, group: bool = False) -> bool:
+    try:
+        (os.killpg if group else os.kill)(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="finds the benchmark's process in /proc")
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 130)])
+def test_stopping_specmerge_bench_stops_the_benchmark(signum, status):
+    """``specmerge bench`` runs the benchmark as a child: a signal to it (kill, a job scheduler's SIGTERM, Ctrl-C)
+    reaches the benchmark and what it started (its process group), and never leaves it running as an orphan."""
+    timed = ["speed", "--sets", "tiny", "--methods", "task_arithmetic", "--repeats", "1000000000", "--threads", "1"]
+    parent = subprocess.Popen(
+        [sys.executable, "-m", "specmerge", "bench", *timed],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    benchmark = []
+    try:
+        assert parent.stdout.readline().startswith("# torch")  # the benchmark's first line: it is running
+        benchmark = _children(parent.pid)
+        assert len(benchmark) == 1
+        parent.send_signal(signum)
+        assert parent.wait(timeout=120) == status  # the benchmark's status: 143 killed by SIGTERM, 130 interrupted
+        deadline = time.monotonic() + 30  # a generous bound on a loaded machine; it is gone at once
+        while not (_gone(benchmark[0]) and _gone(benchmark[0], group=True)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(benchmark[0]) and _gone(benchmark[0], group=True)
+    finally:
+        for pid in [*benchmark, parent.pid]:  # without the fix, the orphan: stop it here
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        parent.communicate()

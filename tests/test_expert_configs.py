@@ -163,3 +163,33 @@ def test_an_expert_whose_tokenizer_gives_tokens_other_ids_is_matched_by_token(tm
     got, want = weights(tmp_path / "a"), weights(tmp_path / "b")
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+
+
+def test_a_classifier_head_the_base_config_does_not_load_is_said_with_the_fix(tmp_path, capsys):
+    """Issue 49, item 4: `specmerge merge BERT-base BERT-classifier-expert` writes the expert's head under names a
+    BertModel config never loads: the console says so and names both fixes; with the fix the head is loaded."""
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=50, num_labels=3)  # fmt: skip
+    torch.manual_seed(0)
+    encoder = transformers.BertModel(config)
+    encoder.save_pretrained(tmp_path / "base")
+    classifier = transformers.BertForSequenceClassification(config)
+    classifier.bert.load_state_dict(encoder.state_dict())
+    classifier.save_pretrained(tmp_path / "cls")
+    capsys.readouterr()
+    out = tmp_path / "out"
+    assert main(["merge", str(tmp_path / "base"), str(tmp_path / "cls"), "-o", str(out), "-q"]) == 0
+    err = capsys.readouterr().err
+    assert "module 'classifier' (2 tensors, copied from expert 'cls') is written, but the output's config" in err
+    assert f"--config-source {tmp_path / 'cls'}" in err or "--config-source cls" in err
+    assert "--module 'classifier.*=drop'" in err
+    report = json.loads((out / "report.json").read_text())
+    assert {t["name"] for t in report["tensors"] if "own module" in t["reason"]} == {"classifier.weight",
+                                                                                    "classifier.bias"}  # fmt: skip
+    # with the fix the output is the classifier, its head loaded
+    fixed = tmp_path / "fixed"
+    config_source = str(tmp_path / "cls")
+    assert main(["merge", str(tmp_path / "base"), config_source, "-o", str(fixed), "-q",
+                 "--config-source", config_source]) == 0  # fmt: skip
+    model, info = transformers.BertForSequenceClassification.from_pretrained(fixed, output_loading_info=True)
+    assert not info["missing_keys"] and torch.equal(model.classifier.weight, classifier.classifier.weight)

@@ -215,8 +215,37 @@ def test_a_local_folder_named_like_the_id_wins_and_the_line_says_so(family, offl
     report = json.loads((work / "out" / "report.json").read_text())
     assert [i["origin"] for i in report["inputs"]] == ["hub", "local"]
     assert yaml.safe_load((work / "out" / "recipe.yaml").read_text())["experts"] == ["../org/math"]
+    card = ModelCard.load(work / "out" / "README.md")  # base_model names hub repositories only; the path: the text
+    assert (card.data.base_model, card.data.base_model_relation) == (["org/base"], "merge")
+    assert "left out of `base_model`, which names hub repositories: `../org/math`." in card.text
     merge(base, experts[:1], tmp_path / "local", method="task_arithmetic", threads=1, progress=False)
     assert_same_weights(work / "out", tmp_path / "local")
+
+
+def test_a_bare_local_folder_is_named_only_when_the_cache_holds_that_id_or_with_verbose(
+    family, offline, tmp_path, monkeypatch, capsys
+):
+    """``llama-base`` is a folder here and has a hub id's shape: a line saying the folder wins is noise unless the
+    hub cache holds a repository of that name (which may have been meant), or with -v."""
+    base, experts = family
+    monkeypatch.chdir(base.parent)
+    outputs = iter(range(10))
+    args = ["merge", base.name, experts[0].name, "-m", "task_arithmetic", "--threads", "1", "--no-fsync"]
+
+    def said(*extra: str) -> list[str]:
+        assert main([*args, "-o", str(tmp_path / f"out{next(outputs)}"), *extra]) == 0
+        return [line for line in capsys.readouterr().err.splitlines() if "the local folder" in line]
+
+    assert said() == []  # neither name is in the cache
+    line = "specmerge: {}: the local folder {}, not the Hugging Face hub id of that name (a local path wins; run from "
+    expected = [line.format(p.name, p) + "another folder to use the hub's)" for p in (base, experts[0])]
+    assert said("-v") == said("--verbose") == expected
+    assert said("-q") == []
+    add_commit(tmp_path / "hub", base.name, folder_files(base))  # a hub cache holding an id named like the base
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert said() == expected[:1]
+    with pytest.raises(SystemExit):  # one or the other
+        main([*args, "-o", str(tmp_path / "both"), "-q", "-v"])
 
 
 def test_a_recipe_keeps_an_id_unless_its_folder_holds_that_name(offline, tmp_path):
@@ -240,7 +269,7 @@ def test_a_recipe_run_from_its_parent_folder_says_nothing_of_ids_for_dotted_path
     (tmp_path / "org" / "code").mkdir(parents=True)
     (tmp_path / "r.yaml").write_text("base: ./org/code\nexperts: [org/code]\n")
     monkeypatch.chdir(tmp_path)
-    with caplog.at_level("INFO", logger="specmerge.inputs"):
+    with caplog.at_level("DEBUG", logger="specmerge.inputs"):  # DEBUG: org/code is not in the cache
         recipe = load_recipe("r.yaml")
     assert recipe.base == str(tmp_path / "org" / "code")
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["org/code"]  # only the id-shaped spec
@@ -314,6 +343,33 @@ def test_a_snapshot_missing_a_file_the_listing_has_is_one_line(family, tmp_path,
         resolve_input("org/partial")
 
 
+@pytest.mark.parametrize("listed", [False, True])
+def test_a_cached_snapshot_without_weights_names_the_id_and_how_to_download_it(family, tmp_path, monkeypatch, listed):
+    """Downloaded without its weights (e.g. ``hf download org/x config.json``), a snapshot is no checkpoint: the line
+    names the id and revision and the download command, not only the snapshot folder; a repository whose cached
+    listing has no weights either is said to hold none."""
+    base, _ = family
+    root = tmp_path / "hub"
+    commit = add_commit(root, "org/configs", {"config.json": folder_files(base)["config.json"]}, refs=("main", "v1"),
+                        tree=listed)  # fmt: skip
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for revision in (None, "v1"):
+        with pytest.raises(HubError) as raised:
+            resolve_input("org/configs" + (f"@{revision}" if revision else ""))
+        shown = "org/configs" + (f" at revision '{revision}'" if revision else "")
+        if listed:
+            assert str(raised.value).startswith(f"Hugging Face hub id {shown}: the repository holds no checkpoint at "
+                                                f"commit {commit} (no *.safetensors, *.bin")  # fmt: skip
+        else:
+            download = "`hf download org/configs" + (f" --revision {revision}`" if revision else "`")
+            assert str(raised.value) == (
+                f"Hugging Face hub id {shown}: the cached snapshot {snapshot(root, 'org/configs', commit)} holds no "
+                f"checkpoint (its weights were not downloaded), and HF_HUB_OFFLINE is set: download it with {download}"
+                ", or unset HF_HUB_OFFLINE"
+            )
+
+
 def test_the_environment_is_read_when_an_id_is_resolved(monkeypatch, tmp_path):
     for name in (
         "HF_HUB_CACHE",
@@ -382,6 +438,8 @@ def test_a_lora_output_of_a_hub_base_names_the_id_and_commit(family, offline, tm
     merge("org/base", ["org/lora-a", "org/lora-b"], out, method="task_arithmetic", output_format="lora", progress=False)
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["base_model_name_or_path"], config["revision"]) == ("org/base", commits["base"])
+    card = ModelCard.load(out / "README.md").data
+    assert (card.base_model, card.base_model_relation) == (["org/base"], "adapter")
 
 
 def test_downloads_fetch_only_the_needed_files_through_the_real_client(family, tmp_path, monkeypatch):

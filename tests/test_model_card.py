@@ -40,9 +40,7 @@ def test_the_card_has_the_hubs_front_matter_and_relative_paths(models):
     root, base, experts = models
     out = root / "merged"
     merge(base, experts, out, progress=False)
-    assert front_matter(out) == {
-        "base_model": ["../models/llama-base", "../models/llama-expert0", "../models/llama-expert1"],
-        "base_model_relation": "merge",
+    assert front_matter(out) == {  # no base_model: it names hub repositories, and every input here is local
         "library_name": "transformers",
         "tags": ["merge", "specmerge", "swudi_a"],
         "license": "apache-2.0",
@@ -53,7 +51,13 @@ def test_the_card_has_the_hubs_front_matter_and_relative_paths(models):
         ["../models/llama-expert0", "../models/llama-expert1"],
     )
     assert recipe["expert_keys"] == ["llama-expert0", "llama-expert1"]  # stated, so a rerun seeds DARE alike
+    card = (out / "README.md").read_text()
+    assert (  # the local inputs are named in the text instead
+        "relative to this folder and left out of `base_model`, which names hub repositories: `../models/llama-base`, "
+        "`../models/llama-expert0`, `../models/llama-expert1`."
+    ) in card
     report = json.loads((out / "report.json").read_text())
+    assert "host" not in report  # the report is published with the model; the host is only in the work folder's owner
     assert report["license"] == {"license": "apache-2.0"}
     assert [(i["role"], i["name"], i["origin"]) for i in report["inputs"]] == [
         ("base", "../models/llama-base", "local"),
@@ -87,9 +91,7 @@ def test_a_lora_output_names_the_base_it_applies_to(models, tmp_path):
     ]
     out = root / "merged-lora"
     merge(base, adapters, out, method="task_arithmetic", output_format="lora", progress=False)
-    assert front_matter(out) == {
-        "base_model": ["../models/llama-base"],
-        "base_model_relation": "adapter",
+    assert front_matter(out) == {  # the base is a local folder: no base_model
         "library_name": "peft",
         "tags": ["merge", "specmerge", "task_arithmetic"],
         "license": "apache-2.0",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from specmerge.cli.running import broken_pipe
 from specmerge.errors import SpecmergeError
 from specmerge_bench.inputs import Parser
 
@@ -31,12 +32,20 @@ def build_parser() -> Parser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one benchmark; a bad input is one line on stderr and exit status 2, never a traceback."""
+    """Run one benchmark; a bad input is one line on stderr and exit status 2, never a traceback; output cut short by
+    its reader (``| head``) ends quietly, status 141 (:func:`specmerge.cli.running.broken_pipe`)."""
     from specmerge_bench.accuracy.data import AccuracyDataError
 
-    args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        args = build_parser().parse_args(argv)
+    except BrokenPipeError as err:  # --help into a closed pipe
+        return broken_pipe(err, "specmerge-bench")
+    try:
+        status = args.run(args)
+        sys.stdout.flush()  # a reader gone is found here, not by Python's own flush at exit
+        return status
+    except BrokenPipeError as err:
+        return broken_pipe(err, f"specmerge-bench {args.command}")
     except (AccuracyDataError, SpecmergeError, OSError) as err:
         print(f"specmerge-bench {args.command}: error: {err}", file=sys.stderr)
         return 2

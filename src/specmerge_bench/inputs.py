@@ -15,11 +15,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from specmerge.cli.running import PlainHelpParser
+
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
-class Parser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` whose errors are one line ``PROG: error: MESSAGE`` (exit 2), no usage dump."""
+class Parser(PlainHelpParser):
+    """``argparse.ArgumentParser`` whose errors are one line ``PROG: error: MESSAGE`` (exit 2), no usage dump, and
+    whose help is plain text (:class:`~specmerge.cli.running.PlainHelpParser`)."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")

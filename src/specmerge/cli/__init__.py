@@ -11,7 +11,7 @@ import signal
 import sys
 
 from specmerge.cli.commands import bench_command, build_parser, describe
-from specmerge.cli.running import Signalled, stop_on_signals
+from specmerge.cli.running import Signalled, broken_pipe, stop_on_signals
 
 __all__ = ["build_parser", "describe", "main"]
 
@@ -20,14 +20,19 @@ OPTIONAL_EXTRAS = {"transformers": "hf", "tokenizers": "hf", "matplotlib": "plot
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``specmerge`` with ``argv`` (default: the process's arguments); return the exit status."""
+    """Run ``specmerge`` with ``argv`` (default: the process's arguments); return the exit status. Output cut short
+    by its reader (``specmerge methods | head -3``) ends quietly, status 141 (:func:`.running.broken_pipe`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # every argument is specmerge-bench's, --help included
         return bench_command(argparse.Namespace(bench_args=argv[1:]))
-    args = build_parser(__doc__).parse_args(argv)
     try:
+        args = build_parser(__doc__).parse_args(argv)
         with stop_on_signals():
-            return args.run(args)
+            status = args.run(args)
+        sys.stdout.flush()  # a reader gone is found here, not by Python's own flush at exit
+        return status
+    except BrokenPipeError as err:
+        return broken_pipe(err, "specmerge")
     except KeyboardInterrupt:
         print("specmerge: interrupted (Ctrl-C); no unfinished output is left behind", file=sys.stderr)
         return 128 + signal.SIGINT

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from specmerge.cli.running import plain_warnings
+from specmerge.cli.running import add_verbosity, plain_warnings
 
 
 @plain_warnings
@@ -20,7 +20,7 @@ def adamerge_command(args: argparse.Namespace) -> int:
         from specmerge.io.output.tokenizers import transformers_module
 
         transformers_module("specmerge adamerge").utils.logging.disable_progress_bar()  # no "Loading weights" bar
-    with announce_inputs(not args.quiet):
+    with announce_inputs(not args.quiet, verbose=args.verbose):
         report = adamerge(
             args.base,
             args.merged,
@@ -92,5 +92,5 @@ def configure(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--overwrite", action="store_true", help="replace an existing folder that specmerge wrote (or an empty one)"
     )
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars, no hub resolution lines")
+    add_verbosity(p, "no progress bars, no hub resolution lines (warnings are still printed)")
     p.set_defaults(run=adamerge_command)

@@ -2,7 +2,7 @@
 
 Only what is not a field of :class:`~specmerge.pipeline.recipe.model.Recipe` or
 :class:`~specmerge.diagnostics.options.InspectOptions` is declared here: the output folder, ``--overwrite``,
-``--quiet``, ``--no-fsync``, ``--threads`` and the arguments of ``methods`` and ``demo``.
+``--quiet``, ``--verbose``, ``--no-fsync``, ``--threads`` and the arguments of ``methods`` and ``demo``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import textwrap
 from collections.abc import Callable
 
 from specmerge.cli.fields import add_fields, field_values, flag_error
-from specmerge.cli.running import plain_warnings
+from specmerge.cli.running import PlainHelpParser, add_verbosity, plain_warnings, run_child
 from specmerge.diagnostics.options import InspectOptions
 from specmerge.errors import RecipeError
 from specmerge.methods import Method, all_methods, get_method
@@ -76,13 +76,14 @@ def schema_command(args: argparse.Namespace) -> int:
 
 def announced(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """Run ``command`` printing on stderr, before the work, one line per input resolved from the Hugging Face hub
-    (or local path shadowing a hub id), and the download progress; ``--quiet`` prints neither."""
+    (or local path shadowing a cached hub id; any local path of an id's shape with ``--verbose``), and the
+    download progress; ``--quiet`` prints neither."""
 
     @functools.wraps(command)
     def run(args: argparse.Namespace) -> int:
         from specmerge.io.hub.ids import announce_inputs
 
-        with announce_inputs(not args.quiet):
+        with announce_inputs(not args.quiet, verbose=args.verbose):
             return command(args)
 
     return run
@@ -158,15 +159,9 @@ def demo_command(args: argparse.Namespace) -> int:
 def bench_command(args: argparse.Namespace) -> int:
     """``specmerge bench ARGS`` runs ``specmerge-bench ARGS`` and returns its exit status. The benchmarks are their
     own package (``specmerge_bench``), which the library never imports, so they run as a child process of this
-    interpreter; Ctrl-C reaches both, and this one waits for the benchmark to stop."""
-    import subprocess
-
-    with subprocess.Popen([sys.executable, "-m", "specmerge_bench.cli", *args.bench_args]) as child:
-        try:
-            status = child.wait()
-        except KeyboardInterrupt:  # the benchmark got the same signal and reports it itself
-            status = child.wait()
-    return 128 - status if status < 0 else status  # killed by signal N: 128 + N, as a shell reports it
+    interpreter (:func:`~specmerge.cli.running.run_child`: Ctrl-C, SIGTERM and SIGHUP stop it and what it
+    started, and this one waits for them)."""
+    return run_child([sys.executable, "-m", "specmerge_bench.cli", *args.bench_args])
 
 
 def _dry(args: argparse.Namespace) -> bool:
@@ -211,9 +206,7 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overwrite", action="store_true", help="replace an existing folder that specmerge wrote (or an empty one)"
     )
-    p.add_argument(
-        "-q", "--quiet", action="store_true", help="no progress bar, no download progress, no hub resolution lines"
-    )
+    add_verbosity(p, "no progress bar, no download progress, no hub resolution lines (warnings are still printed)")
     p.add_argument(
         "--threads",
         metavar="N",
@@ -244,7 +237,7 @@ def _add_model_output(p: argparse.ArgumentParser) -> None:
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     """The ``specmerge`` parser: each subcommand's ``run`` is set as the ``run`` default of its arguments."""
-    parser = argparse.ArgumentParser(prog="specmerge", description=description)
+    parser = PlainHelpParser(prog="specmerge", description=description)
     parser.add_argument("--version", action="version", version=f"specmerge {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("methods", help="list the merge methods, their capabilities and parameters")

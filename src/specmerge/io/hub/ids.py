@@ -2,7 +2,8 @@
 
 A base or expert is given as a local path or as a hub id, ``org/name`` or ``name``, with an optional
 ``@revision`` (a branch, tag or commit, full or a unique short prefix of a cached one). A path that exists
-locally always wins; when it also has the shape of an id, the line printed says so. An id is resolved by
+locally always wins; when it also has the shape of an id, a line says so if the hub cache holds a repository of
+that id (which may have been meant), else only with ``--verbose``. An id is resolved by
 :func:`resolve_input` to its snapshot folder in the Hugging Face cache, downloading only the files a merge
 reads (:mod:`specmerge.io.hub.snapshot`). The environment is read when the call is made, as the client reads it
 at import: ``HF_HUB_CACHE`` (or ``HF_HOME``/hub, ``XDG_CACHE_HOME``/huggingface/hub, ~/.cache/huggingface/hub),
@@ -10,8 +11,8 @@ at import: ``HF_HUB_CACHE`` (or ``HF_HOME``/hub, ``XDG_CACHE_HOME``/huggingface/
 file). The snapshot is then read like any model folder: every file must resolve inside it or inside that
 repository's own ``blobs/`` (:func:`specmerge.io.formats.files.folder_file`).
 
-Each resolution is logged to the ``specmerge.inputs`` logger (INFO); :func:`announce_inputs` prints those lines
-on stderr while a command runs.
+Each resolution is logged to the ``specmerge.inputs`` logger (INFO; a local path of an id's shape that no cached
+repository shares: DEBUG); :func:`announce_inputs` prints those lines on stderr while a command runs.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal, TextIO
 
 from specmerge.io.formats.files import link_target
-from specmerge.io.hub.snapshot import HubError, fetch_snapshot
+from specmerge.io.hub.snapshot import HubError, fetch_snapshot, repo_cache_folder
 from specmerge.io.output.folder import OUTPUT_LOG
 
 __all__ = [
@@ -83,8 +84,9 @@ def absolute_spec(spec: str, folder: str | os.PathLike | None = None) -> str:
     if is_hub_spec(spec, folder):
         return spec
     path = os.path.normpath(os.path.join(folder or os.getcwd(), spec))
-    if parse_hub_id(spec) is not None:
-        LOG.info(_local_wins(spec, path))
+    hub = parse_hub_id(spec)
+    if hub is not None:
+        _log_local_wins(spec, path, hub[0])
     return path
 
 
@@ -133,7 +135,7 @@ def resolve_input(spec: str) -> InputResolution:
     path = Path(spec).expanduser()
     if hub is None or os.path.lexists(path):
         if hub is not None:
-            LOG.info(_local_wins(spec, str(path)))
+            _log_local_wins(spec, str(path), hub[0])
         return InputResolution(spec, path, "local")
     repo_id, revision = hub
     cache = hub_cache()
@@ -171,13 +173,16 @@ def hub_offline() -> bool:
 
 
 @contextlib.contextmanager
-def announce_inputs(enabled: bool, stream: TextIO | None = None) -> Iterator[None]:
+def announce_inputs(enabled: bool, stream: TextIO | None = None, *, verbose: bool = False) -> Iterator[None]:
     """While the block runs, print each input resolution (and each folder created for the output, logger
     ``specmerge.output``) as ``specmerge: <line>`` on ``stream`` (default: stderr) and let downloads show their
-    progress bars; with ``enabled`` False, neither (not even warnings: ``--quiet`` prints errors only, and
-    report.json keeps what the warnings say)."""
+    progress bars; with ``verbose`` (``--verbose``) the DEBUG lines too (a local path of an id's shape, not in
+    the cache); with ``enabled`` False (``--quiet``) only the warnings: whatever makes the output other than what
+    was asked (a module the output's config will not load, a semantic config difference, an unrelated expert, a
+    lossy output) is said even then."""
     quiet = _QUIET.set(not enabled)
-    handler = logging.StreamHandler(stream or sys.stderr) if enabled else logging.NullHandler()
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setLevel(logging.NOTSET if enabled else logging.WARNING)
     handler.setFormatter(logging.Formatter("specmerge: %(message)s"))
     shown: set[str] = set()  # a spec seen twice (made absolute, then resolved) is said once
     handler.addFilter(lambda record: not (record.getMessage() in shown or shown.add(record.getMessage())))
@@ -185,7 +190,7 @@ def announce_inputs(enabled: bool, stream: TextIO | None = None) -> Iterator[Non
     saved = [(log.level, log.propagate) for log in loggers]
     for log in loggers:
         log.addHandler(handler)
-        log.setLevel(logging.INFO)
+        log.setLevel(logging.DEBUG if verbose and enabled else logging.INFO)
         log.propagate = False
     try:
         yield
@@ -195,6 +200,13 @@ def announce_inputs(enabled: bool, stream: TextIO | None = None) -> Iterator[Non
             log.setLevel(level)
             log.propagate = propagate
         _QUIET.reset(quiet)
+
+
+def _log_local_wins(spec: str, path: str, repo_id: str) -> None:
+    """Log that the local ``path`` is read for ``spec``, which has the shape of hub id ``repo_id``: at INFO (printed)
+    when the hub cache holds that repository, which may have been meant; at DEBUG (``--verbose``) otherwise."""
+    cached = repo_cache_folder(hub_cache(), repo_id).is_dir()
+    LOG.log(logging.INFO if cached else logging.DEBUG, _local_wins(spec, path))
 
 
 def _local_wins(spec: str, path: str) -> str:

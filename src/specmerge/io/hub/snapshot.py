@@ -163,8 +163,10 @@ def _fetch(
         if refused is None:
             raise
         raise where.error(refused) from None
-    files = _cached_tree(repo_id, folder, cache)
-    files = _listing(folder) if files is None else files
+    tree = _cached_tree(repo_id, folder, cache)
+    files = _listing(folder) if tree is None else tree
+    if not any(fnmatch.fnmatchcase(f, p) for f in files if "/" not in f for p in WEIGHT_PATTERNS):
+        raise where.no_checkpoint(folder, reason, listed=tree is not None)
     needed = needed_files(files)
     missing = [f for f in needed if not os.path.lexists(folder / f)]  # listed by the tree cache, never downloaded
     if not missing:
@@ -195,7 +197,26 @@ class Where:
     @property
     def download(self) -> str:
         rev = f" --revision {self.revision}" if self.revision else ""
-        return f"`hf download {self.repo_id}{rev}` (or `huggingface-cli download {self.repo_id}{rev}`)"
+        return f"`{hub_cli()} download {self.repo_id}{rev}`"
+
+    @property
+    def login(self) -> str:
+        return "hf auth login" if hub_cli() == "hf" else "huggingface-cli login"
+
+    def no_checkpoint(self, folder: Path, reason: str, *, listed: bool) -> HubError:
+        """The line for a cached snapshot without weights: downloaded without them, or (``listed``: the cache's
+        listing of the repository's files has none either) of a repository that holds none."""
+        if listed:
+            return HubError(
+                f"Hugging Face hub id {self.shown}: the repository holds no checkpoint at commit {folder.name} (no "
+                f"{', '.join(WEIGHT_PATTERNS)} file in the cache's listing of its files): give a repository with "
+                "its weights"
+            )
+        return HubError(
+            f"Hugging Face hub id {self.shown}: the cached snapshot {folder} holds no checkpoint (its weights were "
+            f"not downloaded), and {reason}: download it with {self.download}"
+            + (", or unset HF_HUB_OFFLINE" if self.offline else "")
+        )
 
     def incomplete(self, folder: Path, missing: list[str], reason: str) -> HubError:
         """The line for a cached snapshot that lacks files a merge reads (and the hub is not asked)."""
@@ -226,12 +247,12 @@ class Where:
         if isinstance(err, errors.GatedRepoError):
             return HubError(
                 f"Hugging Face hub id {self.repo_id} is a gated repository: accept its conditions on {url} with your "
-                "account, then log in (`hf auth login`) or set HF_TOKEN"
+                f"account, then log in (`{self.login}`) or set HF_TOKEN"
             )
         if isinstance(err, errors.RepositoryNotFoundError):
             return HubError(
                 f"Hugging Face hub id {self.repo_id}: no such model repository on the hub (or a private one your "
-                "token cannot read): check the id, log in (`hf auth login`) or set HF_TOKEN; a local folder of that "
+                f"token cannot read): check the id, log in (`{self.login}`) or set HF_TOKEN; a local folder of that "
                 "name would be used instead"
             )
         if isinstance(err, errors.RevisionNotFoundError):
@@ -274,10 +295,24 @@ def _download(where: Where, files: list[str], endpoint: str | None, quiet: bool,
     return Path(folder)
 
 
+def hub_cli() -> str:
+    """The command line tool the installed ``huggingface_hub`` provides: ``hf`` (0.34 and later; 1.0 dropped the
+    older one), else ``huggingface-cli``."""
+    from importlib import metadata
+
+    scripts = {e.name for e in metadata.entry_points(group="console_scripts") if e.value.startswith("huggingface_hub")}
+    return "huggingface-cli" if "huggingface-cli" in scripts and "hf" not in scripts else "hf"
+
+
+def repo_cache_folder(cache: Path, repo_id: str) -> Path:
+    """The folder of model repository ``repo_id`` in the hub cache ``cache``: ``models--ORG--NAME``."""
+    return cache / ("models--" + repo_id.replace("/", "--"))
+
+
 def check_ref(cache: Path, repo_id: str, revision: str | None) -> None:
     """Refuse a cached ``refs/<revision>`` (``main`` by default) that is not a commit hash: a corrupt cache entry,
     which the hub client blames on the revision ("no such revision")."""
-    ref = cache / ("models--" + repo_id.replace("/", "--")) / "refs" / (revision or "main")
+    ref = repo_cache_folder(cache, repo_id) / "refs" / (revision or "main")
     if not ref.is_file() or ref.is_symlink():
         return
     try:
@@ -287,7 +322,7 @@ def check_ref(cache: Path, repo_id: str, revision: str | None) -> None:
     if not FULL_COMMIT.fullmatch(text):
         raise HubError(
             f"{repo_id}: the cache's {ref} holds {text[:60]!r}, not a commit hash: the cache entry is corrupt; delete "
-            f"that file and download the repository again (hf download {repo_id})"
+            f"that file and download the repository again (`{hub_cli()} download {repo_id}`)"
         )
 
 
@@ -296,7 +331,7 @@ def expand_short_commit(cache: Path, repo_id: str, revision: str | None) -> str 
     cached under ``refs/``) that starts exactly one cached snapshot's commit; otherwise as given."""
     if revision is None or not SHORT_COMMIT.fullmatch(revision):
         return revision
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    repo = repo_cache_folder(cache, repo_id)
     if os.path.lexists(repo / "refs" / revision):
         return revision
     try:

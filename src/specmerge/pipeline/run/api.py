@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
@@ -268,7 +267,6 @@ def record_output(
         "output_format": recipe.output_format,
         "device": str(options.device),
         "torch": torch.__version__,
-        "host": platform.node(),
         "seconds": round(time.perf_counter() - started, 3),
         "files": sorted([p.name for p in folder.iterdir()] + ["recipe.yaml", "report.json", "README.md"]),
         "summary": prepared.summary,

@@ -1,9 +1,10 @@
 """The model card (README.md) written into a merged model or adapter folder, with the hub's YAML front matter.
 
 The front matter follows the Hugging Face hub's model-card conventions (what ``huggingface_hub.ModelCard``
-parses): ``base_model`` (a merged model: the base and every expert, as the recipe written beside it names them:
-hub ids, or paths relative to the output folder; an adapter: the base it applies to), ``base_model_relation``
-(merge / adapter), ``library_name`` (transformers for a model folder with a config, peft for an adapter),
+parses): ``base_model`` (a merged model: the base and every expert found on the Hugging Face hub, by repository id;
+an adapter: its base, when a hub id) and ``base_model_relation`` (merge / adapter), both left out when no such
+input is a hub id: local inputs are not repositories, so the text names them instead, by their path relative to
+the output folder; ``library_name`` (transformers for a model folder with a config, peft for an adapter),
 ``tags: [merge, specmerge, <method>]`` and, when the base states one, its ``license`` (from the front matter of
 the base's README.md, else its config.json). The text says what was merged and how, and holds the recipe.
 """
@@ -11,7 +12,7 @@ the base's README.md, else its config.json). The text says what was merged and h
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -27,20 +28,22 @@ def model_card(
     recipe: Recipe,
     citation: str,
     *,
+    hub: Sequence[bool],
     license: Mapping[str, str] | None = None,
     library_name: str | None = None,
 ) -> str:
     """README.md for the merged model or adapter: the front matter, what was merged and how, and the recipe.
 
     ``recipe`` is the recipe as written beside the output (inputs named portably, see
-    :func:`specmerge.pipeline.inputs.open.portable_spec`); ``license`` the base's license keys
+    :func:`specmerge.pipeline.inputs.open.portable_spec`); ``hub`` says of its base and each expert, in order,
+    whether it was found on the hub (its name is then a hub id); ``license`` the base's license keys
     (:func:`specmerge.io.output.readme.read_license`).
     """
     lora = recipe.output_format == "lora"
-    meta: dict[str, Any] = {
-        "base_model": list(dict.fromkeys(_bare_id(s) for s in (recipe.base, *([] if lora else recipe.experts)))),
-        "base_model_relation": "adapter" if lora else "merge",
-    }
+    inputs = list(zip((recipe.base, *recipe.experts), hub, strict=True))[: 1 if lora else None]
+    ids = list(dict.fromkeys(_bare_id(spec) for spec, from_hub in inputs if from_hub))
+    local = [f"`{spec}`" for spec, from_hub in inputs if not from_hub]
+    meta: dict[str, Any] = {"base_model": ids, "base_model_relation": "adapter" if lora else "merge"} if ids else {}
     if library_name or lora:
         meta["library_name"] = "peft" if lora else library_name
     meta["tags"] = ["merge", "specmerge", recipe.method]
@@ -56,20 +59,21 @@ def model_card(
         )
     else:
         title, usage = "Merged model", ""
+    unlisted = f" and left out of `base_model`, which names hub repositories: {', '.join(local)}" if local else ""
     front = yaml.safe_dump(meta, sort_keys=False, default_flow_style=False, allow_unicode=True)
     return (
         f"---\n{front}---\n\n"
         f"# {title}\n\nBase model: `{recipe.base}`\n\nExperts:\n{experts}\n\n"
         f"Merged with specmerge {__version__}, method `{recipe.method}` ({citation}).\n\n{usage}"
         "Hub ids are pinned to the commit merged (`org/name@<commit>`); local inputs are named by their path "
-        "relative to this folder.\n\n"
+        f"relative to this folder{unlisted}.\n\n"
         "Per-tensor diagnostics (kept rank, spectrum, time) are in `report.json`.\n\n"
         f"## Recipe\n\n```yaml\n{recipe.to_yaml()}```\n"
     )
 
 
 def _bare_id(spec: str) -> str:
-    """A hub id without its ``@revision`` (the hub's base_model names a repository); a path as it is."""
+    """A hub id without its ``@revision`` (the hub's base_model names a repository)."""
     hub = parse_hub_id(spec)
     return hub[0] if hub else spec
 
@@ -82,6 +86,7 @@ def card_for(prepared: PreparedMerge, written: Recipe, citation: str) -> str:
     return model_card(
         written,
         citation,
+        hub=[resolution.origin == "hub" for resolution in prepared.inputs],
         license=prepared.notes.get("license"),
         library_name="transformers" if has_config else None,
     )
