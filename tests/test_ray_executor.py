@@ -9,6 +9,7 @@ process too), so each comparison runs both executors at one thread: the workers 
 from __future__ import annotations
 
 import os
+import platform
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,9 @@ def test_every_method_writes_the_same_files_through_ray(cluster, demo, tmp_path,
     assert len(list((tmp_path / "ray").glob("model-*.safetensors"))) > 1  # several shards, filled by workers
     assert_same_outputs(tmp_path / "local", tmp_path / "ray", local, remote)
     assert remote["executor"]["name"] == "ray" and remote["executor"]["tasks"] >= 1
+    # published with the model: no host name, no cluster address (issue 49, item 5)
+    assert platform.node() not in (tmp_path / "ray" / "report.json").read_text()
+    assert all(worker.startswith("node 0, pid ") for worker in remote["executor"]["worker_peak_rss_bytes"])
 
 
 def test_a_merged_lora_adapter_is_the_same_through_ray(cluster, tmp_path):

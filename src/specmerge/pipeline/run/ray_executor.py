@@ -122,7 +122,8 @@ class RayExecutor:
         self.stats: dict[str, Any] = {}
 
     def describe(self) -> dict[str, Any]:
-        return {"name": "ray", "address": self.address, "cpus_per_task": self.cpus_per_task, **self.stats}
+        # no address nor host names: report.json is published with the model (the work folder's marker has the host)
+        return {"name": "ray", "cluster": self.address is not None, "cpus_per_task": self.cpus_per_task, **self.stats}
 
     def run(self, job: Job, *, progress: bool = True) -> list[TensorReport]:
         import ray
@@ -203,7 +204,7 @@ class RayExecutor:
             raise
         reports = ReportAccumulator(items)
         tensors = len({item.name for item in items})
-        done, peaks, started = 0, {}, time.perf_counter()
+        done, peaks, nodes, started = 0, {}, {}, time.perf_counter()
         with tqdm(
             total=spec.total if spec is not None else 0,
             desc=spec.desc if spec is not None else "",
@@ -237,7 +238,8 @@ class RayExecutor:
                         done += item.completes
                         bar.update(weights[k])
                     bar.set_postfix_str(f"{done}/{tensors} tensors", refresh=False)
-                    peaks[f"{host}:{pid}"] = max(peaks.get(f"{host}:{pid}", 0), peak)
+                    worker = f"node {nodes.setdefault(host, len(nodes))}, pid {pid}"  # nodes numbered as seen
+                    peaks[worker] = max(peaks.get(worker, 0), peak)
             except BaseException:
                 _cancel(ray, pending)
                 raise
