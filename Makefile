@@ -1,13 +1,13 @@
-# Everything a fresh machine needs: `make demo` runs the demo, `make test` runs lint + tests.
+# Everything a fresh machine needs: `make demo` runs the demo, `make test` runs lint, the docs build and the tests.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-install lint bench bench-accuracy clean
+.PHONY: demo test test-install lint docs bench bench-accuracy clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,docs]'
 	touch $@
 
 demo: $(VENV)/.installed
@@ -17,9 +17,14 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check src tests bench examples
 	$(BIN)/ruff format --check src tests bench examples
 
+# The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link, anchor or API reference fails.
+# The command blocks of the README and docs/ run in the test suite (tests/test_docs_commands.py).
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
+
 # The numerical tests run again on one thread: reduction order changes with the thread count, and a
 # float tolerance must hold at every count (issue 13).
-test: lint
+test: lint docs
 	$(BIN)/pytest
 	OMP_NUM_THREADS=1 $(BIN)/pytest -m numerical
 	SPECMERGE_INSTALL_TEST=1 $(BIN)/pytest -m install
@@ -44,4 +49,4 @@ bench-accuracy: $(VENV)/.bench-installed
 	$(BIN)/specmerge-bench accuracy --cache $(CACHE) --seeds $(SEEDS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info site

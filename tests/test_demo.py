@@ -55,3 +55,18 @@ def test_closed_form_family_beats_task_arithmetic_on_own_inputs(tmp_path):
     rows = {r["method"]: r for r in demo.run_demo(tmp_path, methods=["task_arithmetic", "swudi_a", "closed_form"])}
     assert rows["closed_form"]["interference"] < rows["task_arithmetic"]["interference"]
     assert rows["swudi_a"]["interference"] < rows["task_arithmetic"]["interference"]
+
+
+def test_the_closing_hint_names_a_folder_that_exists_after_the_demo(tmp_path, capsys, monkeypatch):
+    # issue 49: the hint named the temporary folder the demo had just removed
+    monkeypatch.setattr(demo, "demo_methods", lambda: ["task_arithmetic"])
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo"]) == 0
+    hint = capsys.readouterr().out.split("Do one yourself")[1]
+    assert "specmerge demo --workdir demo-models" in hint and "./demo-models/base ./demo-models/expert0" in hint
+    assert "specmerge-demo-" not in hint  # never the removed temporary folder
+    for _ in range(2):  # a second demo in the same folder replaces its own merges
+        assert main(["demo", "--workdir", "kept"]) == 0
+    hint = capsys.readouterr().out.split("Do one yourself")[-1]
+    assert "specmerge merge ./kept/base ./kept/expert0 ./kept/expert1 ./kept/expert2 ./kept/expert3" in hint
+    assert (tmp_path / "kept" / "base" / "config.json").is_file()

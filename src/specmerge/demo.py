@@ -124,7 +124,8 @@ def run_demo(workdir: Path, methods: list[str] | None = None, seed: int = 0) -> 
     for method in methods:
         out = workdir / f"merged-{method}"
         start = time.perf_counter()
-        report = merge(base, experts, out, method=method, progress=False)
+        # overwrite: a second demo in the same --workdir replaces its own earlier merges (never anything else)
+        report = merge(base, experts, out, method=method, progress=False, overwrite=True)
         seconds = time.perf_counter() - start
         errors = score(out, base_logits, expert_logits, tokens)
         interference = subspace_interference(out, base_w, expert_w, subspaces)
@@ -176,7 +177,23 @@ def main(seed: int = 0, workdir: str | None = None) -> None:
         )
         rows = run_demo(root, methods, seed=seed)
         print(format_table(rows))
-        print(
-            f"\nDo one yourself: specmerge merge {root}/base {root}/expert0 {root}/expert1 {root}/expert2 "
-            f"{root}/expert3 -o merged -m swudi_a" + ("" if workdir else "   (add --workdir to keep the models)")
-        )
+        print(closing_hint(workdir))
+
+
+def closing_hint(workdir: str | None) -> str:
+    """The demo's last lines: a merge of its models to run next, naming a folder that still exists afterwards.
+
+    Without ``--workdir`` the models lived in a temporary folder that is gone when the demo ends, so the hint says
+    how to keep them (``specmerge demo --workdir demo-models``) and names that folder.
+    """
+    root = workdir or "demo-models"
+    if not (Path(root).is_absolute() or root.startswith((".", "~"))):
+        root = f"./{root}"  # a bare 'a/b' would also read as a Hugging Face hub id
+    experts = " ".join(f"{root}/expert{i}" for i in range(4))
+    merge = f"specmerge merge {root}/base {experts} -o merged -m swudi_a"
+    if workdir:
+        return f"\nThe models are kept in {workdir}. Do one yourself:\n  {merge}"
+    return (
+        "\nThe models were written to a temporary folder, now removed. Do one yourself: keep them with\n"
+        f"  specmerge demo --workdir demo-models\nthen\n  {merge}"
+    )
