@@ -14,7 +14,9 @@ orderings as paired per-seed differences with each row's own seed std (``specmer
 WUDI step sweep's best step count, and writes ``accuracy-settings.png`` and ``wudi-steps-settings.png`` in --out.
 Where one setting's tasks are a proper subset of another's (8 and 16 tasks, same track), it also prints each row
 on the smaller setting's tasks merged alone and within the larger one, paired by seed.
-With ``--tables``, each setting's full tables follow (every row's average, normalised, gap closed and per-task
+With ``--per-seed``, each setting seed by seed follows (every row per seed with the setting it chose on val, the
+paper's claims per seed and in how many seeds each holds, the WUDI sweep per seed). With ``--tables``, each
+setting's full tables follow (every row's average, normalised, gap closed and per-task
 test accuracy; AdaMerging and the WUDI step sweep), as the benchmark writes them in ``results.md``, over the pooled
 seeds. Reads only the results files: no model is loaded and nothing is scored.
 """
@@ -24,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specmerge_bench.accuracy import report
-from specmerge_bench.accuracy.compare import ResultsError, load_setting, markdown, plots
+from specmerge_bench.accuracy.compare import ResultsError, load_setting, markdown, per_seed_markdown, plots
 from specmerge_bench.inputs import Parser, fail
 
 
@@ -35,6 +37,8 @@ def main() -> None:
                              "for each setting")  # fmt: skip
     parser.add_argument("--out", type=Path, help="folder for the two plots (default: no plots)")
     parser.add_argument("--tables", action="store_true", help="also each setting's full tables (per task)")
+    parser.add_argument("--per-seed", action="store_true",
+                        help="also each setting seed by seed: rows, the paper's claims and the WUDI sweep")  # fmt: skip
     args = parser.parse_args()
     settings = {}
     for item in args.setting:
@@ -48,8 +52,10 @@ def main() -> None:
         except ResultsError as err:
             fail(parser.prog, str(err))
     print(markdown(settings))
-    if args.tables:
-        for name, setting in settings.items():
+    for name, setting in settings.items():
+        if args.per_seed:
+            print(f"\n{per_seed_markdown(name, setting)}")
+        if args.tables:
             print(f"\n## {name}\n\n{report.markdown(setting['summary'])}")
     if args.out is not None:
         for path in plots(settings, args.out):

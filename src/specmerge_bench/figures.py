@@ -35,7 +35,10 @@ ACCURACY_HEADER = re.compile(r"\bacc\b|accuracy|normalised|gap closed", re.IGNOR
 FIGURE = re.compile(r"[+-]?\d+(?:\.\d+)?\s*±\s*\d+(?:\.\d+)?")
 FENCE = re.compile(r"^\s*(```|~~~)")
 FIGURES = re.compile(r"^\s*<!--\s*figures:\s*(?P<command>.+?)\s*-->\s*$")
-ACCURACY_WORDS = re.compile(r"accura|avg acc|gap closed|normalised|\bpoints?\b", re.IGNORECASE)
+ACCURACY_WORDS = re.compile(  # a paragraph that speaks of the accuracy benchmark's figures (not numerical accuracy)
+    r"\b(?:test|val|validation|average|avg|mean|merged|experts?'?) acc(?:uracy)?\b|gap closed|normalised|\bpoints\b",
+    re.IGNORECASE,
+)
 NUMBER = re.compile(r"(?<![\w.])[+\-\u2212]?\d+\.\d+(?!\w|\.\d)")
 
 

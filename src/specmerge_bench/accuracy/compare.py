@@ -86,9 +86,12 @@ def _title(settings: Mapping[str, Mapping[str, Any]], label: str) -> str:
 
 def average(seed: Mapping[str, Any], label: str, tasks: Sequence[str] | None = None) -> float:
     """A row's average test accuracy over ``tasks`` (default: all the seed's tasks) in one seed; ``experts``: each
-    task's own expert's."""
+    task's own expert's; ``base``: the base model's."""
     tasks = seed["tasks"] if tasks is None else tasks
-    test = {t: seed["experts"][t]["test"] for t in tasks} if label == "experts" else seed["rows"][label]["test"]
+    if label == "experts":
+        test = {t: seed["experts"][t]["test"] for t in tasks}
+    else:
+        test = seed["base"]["test"] if label == "base" else seed["rows"][label]["test"]
     return exact_mean([test[t] for t in tasks])
 
 
@@ -199,6 +202,63 @@ def markdown(settings: Mapping[str, Mapping[str, Any]]) -> str:
     lines.append("| longest run scored (its avg acc) | " + " | ".join(
         f"{p[2]} ({100 * p[3]:.1f})" if p else "–" for p in peaks) + " |")  # fmt: skip
     lines += _shared_markdown(settings)
+    return "\n".join(lines) + "\n"
+
+
+def _same_or_each(values: Sequence[str]) -> str:
+    """One value when every seed has it, else each seed's, ``a / b / c``."""
+    return values[0] if len(set(values)) == 1 else " / ".join(values)
+
+
+def per_seed_markdown(name: str, results: Mapping[str, Any]) -> str:
+    """One setting seed by seed: every row's average test accuracy per seed (two decimals), mean ± std and the
+    setting each seed chose on val; the paper's claims per seed, paired, and in how many seeds each holds; the WUDI
+    step sweep per seed."""
+    seeds, summary = results["per_seed"], results["summary"]
+    n, named = len(seeds), " / ".join(str(s.get("seed")) for s in seeds)
+    columns = " | ".join(f"seed {s.get('seed')}" for s in seeds)
+    rule = "|---" + "|---:" * (n + 1)
+
+    def per_seed(label: str) -> list[float]:
+        return [100 * average(seed, label) for seed in seeds]
+
+    def chosen(label: str) -> str:  # the parameters chosen (``swudi(rank_ratio=0.55, t=800.0)``: inside the brackets)
+        rows = [seed["rows"][label] for seed in seeds]
+        params = [re.sub(r"^[\w.]+\((.*)\)$", r"\1", row["choice"]) for row in rows]
+        return _same_or_each([f"{p}, s={row['scale']}".lstrip(", ") for p, row in zip(params, rows, strict=True)])
+
+    lines = [f"{name}, seed by seed (average test accuracy over the tasks, %; each row's setting chosen on val):", "",
+             f"| method | {columns} | mean ± std | chosen on val (seeds {named}) |", rule + "|---|"]  # fmt: skip
+    for label, title in FIXED_TITLES.items():
+        cells = " | ".join(f"{v:.2f}" for v in per_seed(label))
+        lines.append(f"| {title} | {cells} | {_cell(summary[label]['average'], n)} | |")
+    for label, row in summary["rows"].items():
+        if label in SWEEP or "anchor" in row:
+            continue
+        cells = " | ".join(f"{v:.2f}" for v in per_seed(label))
+        lines.append(f"| {row['title']} | {cells} | {_cell(row['average'], n)} | {chosen(label)} |")
+    lines += ["", f"The paper's claims in {name}, seed by seed (points; paired: mean ± std over seeds of the per-seed "
+              "difference, the two rows' own seed stds in brackets):", "",
+              f"| claim | {columns} | paired | holds in |", rule + "|---:|"]  # fmt: skip
+    rows = summary["rows"]
+    for row, against in CLAIMS:
+        if any(label not in seed["rows"] for seed in seeds for label in (row, against)):
+            continue
+        diffs = [a - b for a, b in zip(per_seed(row), per_seed(against), strict=True)]
+        own = "/".join(f"{100 * rows[k]['average']['std']:.1f}" for k in (row, against))
+        pair = _cell(paired(results, row, against), n, 2, "+") + (f" ({own})" if n > 1 else "")
+        holds = sum(d > 0 for d in diffs)
+        lines.append(f"| {rows[row]['title']} > {rows[against]['title']} | "
+                     + " | ".join(f"{d:+.2f}" for d in diffs) + f" | {pair} | {holds} of {n} seeds |")  # fmt: skip
+    sweep = [label for label in SWEEP if all(label in seed["rows"] for seed in seeds)]
+    if sweep:
+        lines += ["", f"The WUDI step sweep in {name}, seed by seed (Adam, lr 1e-5, from tau_init = sum; one run per "
+                  "seed with snapshots, s chosen on val at each step count):", "",
+                  f"| WUDI steps | {columns} | mean ± std | s (seeds {named}) |", rule + "|---:|"]  # fmt: skip
+        for label in [*sweep, "closed_form"]:
+            cells = " | ".join(f"{v:.2f}" for v in per_seed(label))
+            scales = _same_or_each([str(seed["rows"][label]["scale"]) for seed in seeds])
+            lines.append(f"| {rows[label]['title']} | {cells} | {_cell(rows[label]['average'], n, 2)} | {scales} |")
     return "\n".join(lines) + "\n"
 
 
