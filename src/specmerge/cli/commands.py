@@ -254,7 +254,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.set_defaults(run=merge_command)
 
     p = sub.add_parser("run", help="run a YAML recipe")
-    p.add_argument("recipe", help="recipe file (see README)")
+    p.add_argument("recipe", help="recipe file (YAML; see docs/recipes.md)")
     _add_model_output(p)
     p.set_defaults(run=run_command)
 

@@ -48,7 +48,7 @@ def configure(sub: argparse._SubParsersAction) -> None:
         "to OUT/best. Spectral methods decompose each layer once (a spectral cache) and re-synthesize every other "
         "setting from it. Run it again in the same OUT to resume: settings already scored are skipped.",
     )
-    p.add_argument("recipe", help="recipe file (YAML) with an optional 'tune:' section (see README, Tuning)")
+    p.add_argument("recipe", help="recipe file (YAML) with an optional 'tune:' section (see docs/tuning.md)")
     p.add_argument(
         "--eval",
         required=True,
