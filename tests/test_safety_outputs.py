@@ -31,13 +31,16 @@ SHAPES = {f"blocks.{i}.proj.weight": (8, 6) for i in range(4)}
 
 
 def family(root: Path) -> tuple[Path, list[Path]]:
-    """A base folder (four 8 x 6 weights and a config.json) and two experts of it."""
+    """A base folder (four 8 x 6 weights and a config.json) and two experts of it (the base and a small update: an
+    unrelated random "expert" would be warned about, even under -q)."""
     folders = []
+    base = {k: torch.randn(s, generator=torch.Generator().manual_seed(0)) for k, s in SHAPES.items()}
     for i, name in enumerate(["base", "e1", "e2"]):
         folder = root / name
         folder.mkdir()
         g = torch.Generator().manual_seed(i)
-        save_file({k: torch.randn(s, generator=g) for k, s in SHAPES.items()}, str(folder / "model.safetensors"))
+        weights = {k: w + (0.02 * torch.randn(w.shape, generator=g) if i else 0) for k, w in base.items()}
+        save_file(weights, str(folder / "model.safetensors"))
         (folder / "config.json").write_text(json.dumps({"architectures": ["Test"], "torch_dtype": "float32"}))
         folders.append(folder)
     return folders[0], folders[1:]

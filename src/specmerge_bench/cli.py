@@ -42,7 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return broken_pipe(err, "specmerge-bench")
     try:
         status = args.run(args)
-        sys.stdout.flush()  # a reader gone is found here, not by Python's own flush at exit
+        if sys.stdout is not None:  # (None: no stdout at all, as under pythonw or redirect_stdout(None))
+            sys.stdout.flush()  # a reader gone is found here, not by Python's own flush at exit
         return status
     except BrokenPipeError as err:
         return broken_pipe(err, f"specmerge-bench {args.command}")

@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser(__doc__).parse_args(argv)
         with stop_on_signals():
             status = args.run(args)
-        sys.stdout.flush()  # a reader gone is found here, not by Python's own flush at exit
+        if sys.stdout is not None:  # (None: no stdout at all, as under pythonw or redirect_stdout(None))
+            sys.stdout.flush()  # a reader gone is found here, not by Python's own flush at exit
         return status
     except BrokenPipeError as err:
         return broken_pipe(err, "specmerge")
