@@ -20,7 +20,13 @@ must give the same weights. Each model is scored on val and test with the benchm
 
 Per task: accuracy and the paired counts against dense (b: sentences only dense gets right, c: only the fp8 model),
 with McNemar's exact p-value. The record (all scores, the chosen scale, the largest quantization errors of
-report.json, commands, versions) goes to ``--out`` (default ``bench/results/quantized_output/<key>.json``).
+report.json, commands, versions) goes to ``--out`` (default ``bench/results/quantized_output/<key>-<method>.json``).
+
+    python bench/quantized_output_accuracy.py --show RECORD
+
+prints the tables of a record (BENCHMARKS.md quotes them): per seed, each model's average val and test accuracy
+and the paired counts on test summed over the tasks, with McNemar's exact p-value on those sums; then test accuracy
+per task.
 """
 
 from __future__ import annotations
@@ -78,7 +84,46 @@ def paired(dense, other) -> dict[str, float | int]:
     return {"b_dense_only": b, "c_other_only": c, "p_mcnemar": binomtest(b, b + c, 0.5).pvalue if b + c else 1.0}
 
 
+def show(record: dict) -> str:
+    """The record's tables as Markdown (see the module's docstring)."""
+    from scipy.stats import binomtest
+
+    lines = []
+    for seed, run in record["seeds"].items():
+        scores, pairs = run["scores"], run["paired"]["test"]
+        lines += [f"{record['method']}, seed {seed}, s = {run['chosen_scale']} (chosen on val from the dense merges); "
+                  f"{run['quantized_tensors']} weights in fp8, relative error median {run['median_error']:.2e}, "
+                  f"largest {max(run['largest_errors'].values()):.2e}:", "",
+                  "| model | val acc (%) | test acc (%) | only dense right | only this right | p (McNemar) |",
+                  "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for label in scores["test"]:
+            val, test = 100 * scores["val"][label]["mean"], 100 * scores["test"][label]["mean"]
+            if label == "dense":
+                lines.append(f"| {label} | {val:.2f} | {test:.2f} | | | |")
+                continue
+            b = sum(p["b_dense_only"] for p in pairs[label].values())
+            c = sum(p["c_other_only"] for p in pairs[label].values())
+            p_value = binomtest(b, b + c, 0.5).pvalue if b + c else 1.0
+            lines.append(f"| {label} | {val:.2f} | {test:.2f} | {b} | {c} | {p_value:.2g} |")
+        tasks = [t for t in scores["test"]["dense"] if t != "mean"]
+        lines += ["", f"Test accuracy per task (%), seed {seed}:", "", "| model | " + " | ".join(tasks) + " |",
+                  "|---" + "|---:" * len(tasks) + "|"]  # fmt: skip
+        for label, figures in scores["test"].items():
+            lines.append(f"| {label} | " + " | ".join(f"{100 * figures[t]:.2f}" for t in tasks) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--show"]:
+        parser = Parser(prog="quantized_output_accuracy.py", description="print a record's tables")
+        parser.add_argument("--show", type=Path, required=True, metavar="RECORD")
+        path = parser.parse_args().show
+        try:
+            print(show(json.loads(path.read_text())))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            fail(parser.prog, f"{path} is not a record of this script ({err!r})")
+        return
     import safetensors.torch
     import torch
     import transformers
@@ -178,7 +223,7 @@ def main() -> None:
     out = args.out or OUT_DIR / f"{built['experts_key']}-{args.method}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"record: {out}")
+    print(f"record: {out}\n\n{show(record)}")
 
 
 if __name__ == "__main__":

@@ -73,6 +73,8 @@ def cases(tmp: Path, family: Path) -> list[tuple[list[str], str]]:
         (["ray_executor.py", "--models", str(tmp / "empty"), "--work", str(tmp / "w")], "is not a folder"),
         (["compute_floor.py", "--repeats", "0"], "--repeats must be at least 1"),
         (["quantized_inputs.py", "measure", "--models", str(tmp / "none")], "is not a folder"),
+        (["quantized_output_accuracy.py", "--cache", str(tmp / "empty")], "holds no full experts of seed 0"),
+        (["quantized_output_accuracy.py", "--show", str(tmp / "a-file")], "is not a record of this script"),
         (["quantized_inputs.py", "quantize", "--models", str(family)], "quantize needs --scheme"),
         (
             ["quantized_inputs.py", "measure", "--models", str(family), "--schemes", "fp8-block"],
