@@ -1,6 +1,7 @@
 """Peak memory of a whole-model merge vs loading every checkpoint at once.
 
     python bench/memory.py generate --models /path/to/bench-models    # ~1.1B Llama, fp16, base + 4 experts
+    python bench/memory.py generate --models DIR --dtype bfloat16     # the same in bf16
     python bench/memory.py measure --models /path/to/bench-models     # merge and load-all, each in a fresh process
 
 `generate` streams random weights (TinyLlama-1.1B shapes: hidden 2048, MLP 5632, 22 layers, vocab 32000)
@@ -37,23 +38,24 @@ MODEL = dict(
 )
 
 
-def generate(models: Path, experts: int) -> None:
-    """Write MODELS/base and MODELS/expert0..<experts-1> (TinyLlama-1.1B shapes, fp16, 1 GB shards)."""
+def generate(models: Path, experts: int, dtype_name: str = "float16") -> None:
+    """Write MODELS/base and MODELS/expert0..<experts-1> (TinyLlama-1.1B shapes, fp16 or bf16, 1 GB shards)."""
     import torch
 
     from specmerge.io.formats.protocol import TensorInfo
     from specmerge.io.output.writer import ShardWriter
 
-    config, shapes = llama_shapes(MODEL)
-    infos = [TensorInfo(name, shape, torch.float16) for name, shape in shapes.items()]
+    dtype = getattr(torch, dtype_name)
+    config, shapes = llama_shapes(MODEL, dtype_name)
+    infos = [TensorInfo(name, shape, dtype) for name, shape in shapes.items()]
     params, size = sum(i.numel for i in infos) / 1e9, sum(i.nbytes for i in infos) / 1e9
     print(f"{params:.2f}B parameters, {size:.2f} GB per checkpoint")
 
     def base_tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if len(shape) == 1:
-            return torch.ones(shape, dtype=torch.float16)
+            return torch.ones(shape, dtype=dtype)
         g = torch.Generator().manual_seed(stable_seed("base", name))
-        return (0.02 * torch.randn(shape, generator=g)).half()
+        return (0.02 * torch.randn(shape, generator=g)).to(dtype)
 
     for which in ["base", *[f"expert{i}" for i in range(experts)]]:
         folder = models / which
@@ -68,7 +70,7 @@ def generate(models: Path, experts: int) -> None:
                     if len(shape) == 2:
                         low = torch.randn(shape[0], 16, generator=g) @ torch.randn(16, shape[1], generator=g)
                         noise += 0.002 * low / 4
-                    tensor = (tensor.float() + noise).half()
+                    tensor = (tensor.float() + noise).to(dtype)
                 writer.write(name, tensor)
         print(f"wrote {folder}", flush=True)
 
@@ -137,11 +139,13 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=4, help="experts to generate (default 4)")
     parser.add_argument("--method", default="swudi_a", help="merge method measured (default swudi_a)")
     parser.add_argument("--out", type=Path, default=None, help="merge output (default MODELS/merged, replaced)")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16",
+                        help="generate: the checkpoints' dtype (default float16)")  # fmt: skip
     args = parser.parse_args()
     if args.experts < 0:
         parser.error(f"--experts must be 0 or more, got {args.experts}")
     if args.command == "generate":
-        generate(args.models, args.experts)
+        generate(args.models, args.experts, args.dtype)
         return
     model_family(parser, args.models, "expert", generate="python bench/memory.py generate --models DIR")
     if args.command == "_merge":
