@@ -78,17 +78,20 @@ def fp8_activations(model, names: set[str]) -> list:
     return [modules[name].register_forward_pre_hook(quantize) for name in sorted(names)]
 
 
-def paired(dense, other) -> dict[str, float | int]:
+def mcnemar(b: int, c: int) -> float:
+    """McNemar's exact two-sided p-value for ``b`` and ``c`` discordant pairs (1 when there are none)."""
     from scipy.stats import binomtest
 
+    return binomtest(b, b + c, 0.5).pvalue if b + c else 1.0
+
+
+def paired(dense, other) -> dict[str, float | int]:
     b, c = int((dense & ~other).sum()), int((other & ~dense).sum())
-    return {"b_dense_only": b, "c_other_only": c, "p_mcnemar": binomtest(b, b + c, 0.5).pvalue if b + c else 1.0}
+    return {"b_dense_only": b, "c_other_only": c, "p_mcnemar": mcnemar(b, c)}
 
 
 def show(record: dict) -> str:
     """The record's tables as Markdown (see the module's docstring)."""
-    from scipy.stats import binomtest
-
     lines = []
     for seed, run in record["seeds"].items():
         scores, pairs = run["scores"], run["paired"]["test"]
@@ -104,8 +107,7 @@ def show(record: dict) -> str:
                 continue
             b = sum(p["b_dense_only"] for p in pairs[label].values())
             c = sum(p["c_other_only"] for p in pairs[label].values())
-            p_value = binomtest(b, b + c, 0.5).pvalue if b + c else 1.0
-            lines.append(f"| {label} | {val:.2f} | {test:.2f} | {b} | {c} | {p_value:.2g} |")
+            lines.append(f"| {label} | {val:.2f} | {test:.2f} | {b} | {c} | {mcnemar(b, c):.2g} |")
         tasks = [t for t in scores["test"]["dense"] if t != "mean"]
         lines += ["", f"Test accuracy per task (%), seed {seed}:", "", "| model | " + " | ".join(tasks) + " |",
                   "|---" + "|---:" * len(tasks) + "|"]  # fmt: skip
@@ -164,14 +166,15 @@ def main() -> None:
         for seed in args.seeds:
             folders = built["paths"]["experts"][seed]
             experts = [Path(folders[task]) for task in tasks]
-            val, commands, seconds = {}, {}, {}
+            val, val_right, commands, seconds = {}, {}, {}, {}
             for scale in SCALES:
                 out = Path(tmp) / f"seed{seed}-dense-{scale}"
                 start = time.perf_counter()
                 commands[f"dense {scale}"] = merge(base_dir, experts, out, args.method, scale, "none")
                 seconds[f"dense {scale}"] = time.perf_counter() - start
                 load_state(scratch, safetensors.torch.load_file(out / "model.safetensors"))
-                val[scale] = summary(score(scratch, "val"))
+                val_right[scale] = score(scratch, "val")
+                val[scale] = summary(val_right[scale])
                 print(f"seed {seed}: {args.method} s={scale}: val {100 * val[scale]['mean']:.2f} %", flush=True)
             chosen = max(SCALES, key=lambda s: (val[s]["mean"], -s))  # ties: the smaller scale
             dense_dir, fp8_dir = Path(tmp) / f"seed{seed}-dense-{chosen}", Path(tmp) / f"seed{seed}-fp8"
@@ -197,11 +200,9 @@ def main() -> None:
             if mismatch != 0.0:
                 fail(parser.prog, f"transformers and specmerge dequantize {fp8_dir} differently (max {mismatch:g})")
             load_state(scratch, safetensors.torch.load_file(dense_dir / "model.safetensors"))
-            models = {"dense": scratch, "fp8 weights": loaded}
-            right = {split: {} for split in ("val", "test")}
-            for label, model in models.items():
-                for split in right:
-                    right[split][label] = score(model, split)
+            right = {"val": {"dense": val_right[chosen]}, "test": {"dense": score(scratch, "test")}}
+            for split in right:
+                right[split]["fp8 weights"] = score(loaded, split)
             quantized = {name.removesuffix(".weight") for name in errors}
             hooks = fp8_activations(loaded, quantized)
             try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from specmerge.cli.running import broken_pipe
+from specmerge.cli.running import broken_pipe, flush_stdout
 from specmerge.errors import SpecmergeError
 from specmerge_bench.inputs import Parser
 
@@ -42,8 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return broken_pipe(err, "specmerge-bench")
     try:
         status = args.run(args)
-        if sys.stdout is not None:  # (None: no stdout at all, as under pythonw or redirect_stdout(None))
-            sys.stdout.flush()  # a reader gone is found here, not by Python's own flush at exit
+        flush_stdout()
         return status
     except BrokenPipeError as err:
         return broken_pipe(err, f"specmerge-bench {args.command}")

@@ -14,8 +14,10 @@ column name (a table may show fewer rows or columns than the command prints). It
 - a table whose header names an accuracy column (``acc``, ``accuracy``, ``normalised``, ``gap closed``) without a
   ``record`` line above it;
 - a cell that differs from the record's, or a row or column the record has not;
-- a figure written as ``mean ± std`` outside a recorded table (in text, or in a table of another kind) that no
-  recorded table of the same file holds.
+- outside recorded tables, a figure that neither a recorded table of the same file nor the output of a
+  ``<!-- figures: python bench/... -->`` line right above its paragraph holds: every decimal number of a paragraph,
+  list item or table that speaks of the benchmark's accuracy (test / val / average accuracy, gap closed, points),
+  and every ``mean ± std`` figure elsewhere.
 
 Run it as ``python bench/check_figures.py`` (the tests run it on the repository's own documents).
 """
@@ -50,6 +52,11 @@ class Table:
     header: list[str]
     rows: list[list[str]]
     record: str | None = None  # the command of the ``record`` line above it
+
+    @property
+    def about_accuracy(self) -> bool:
+        """Whether the header names an accuracy column."""
+        return any(ACCURACY_HEADER.search(cell) for cell in self.header)
 
 
 class FigureError(ValueError):
@@ -97,9 +104,8 @@ def run_record(command: str, root: Path) -> str:
         args = shlex.split(command)
     except ValueError as err:
         raise FigureError(f"record command {command!r} does not parse: {err}") from None
-    script = root / args[1] if len(args) > 1 else None
     if (len(args) < 2 or args[0] != "python" or not args[1].startswith("bench/") or not args[1].endswith(".py")
-            or script is None or not script.is_file()):  # fmt: skip
+            or not (root / args[1]).is_file()):  # fmt: skip
         raise FigureError(f"record command {command!r}: only `python bench/<script>.py ...` of this repository runs")
     done = subprocess.run([sys.executable, *args[1:]], cwd=root, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
@@ -107,12 +113,23 @@ def run_record(command: str, root: Path) -> str:
     return done.stdout
 
 
+def _output(command: str, root: Path, outputs: dict[str, str | None], problems: list[str], where: str) -> str | None:
+    """A record command's output, run once per document set (``outputs``); None for a command that cannot run,
+    which is a problem at ``where``."""
+    if command not in outputs:
+        try:
+            outputs[command] = run_record(command, root)
+        except (FigureError, subprocess.TimeoutExpired) as err:
+            problems.append(f"{where}: {err}")
+            outputs[command] = None
+    return outputs[command]
+
+
 def _compare(where: str, table: Table, output: str) -> list[str]:
     candidates = [t for t in tables(output) if t.header[1:] and set(table.header) <= set(t.header)
                   and t.header[0] == table.header[0]]  # fmt: skip
     if not candidates:
         return [f"{where}: the record's output has no table with the columns {' | '.join(table.header)}"]
-    problems: list[str] = []
     best: list[str] | None = None
     for made in candidates:  # the first of the record's tables that holds every row of this one
         columns = {name: made.header.index(name) for name in table.header}
@@ -132,44 +149,35 @@ def _compare(where: str, table: Table, output: str) -> list[str]:
             return []
         if best is None or len(mismatches) < len(best):
             best = mismatches
-    problems += best or []
-    return problems
+    return best or []
 
 
-def check_text(text: str, name: str, root: Path, outputs: dict[str, str] | None = None) -> list[str]:
+def check_text(text: str, name: str, root: Path, outputs: dict[str, str | None] | None = None) -> list[str]:
     """The problems of one document (``name`` for messages); ``outputs`` caches record commands' outputs."""
     outputs = {} if outputs is None else outputs
     problems: list[str] = []
     recorded_cells: set[str] = set()
-    for table in tables(text):
+    found = tables(text)
+    for table in found:
         where = f"{name}:{table.line}"
         if table.record is None:
-            if any(ACCURACY_HEADER.search(cell) for cell in table.header):
+            if table.about_accuracy:
                 problems.append(f"{where}: an accuracy table with no record: put `<!-- record: python bench/... -->` "
                                 "(the command computing it from committed records) on the line above it")  # fmt: skip
             continue
-        if table.record not in outputs:
-            try:
-                outputs[table.record] = run_record(table.record, root)
-            except (FigureError, subprocess.TimeoutExpired) as err:
-                problems.append(f"{where}: {err}")
-                outputs[table.record] = ""
-                continue
-        found = _compare(where, table, outputs[table.record])
-        problems += found
-        if not found:
+        output = _output(table.record, root, outputs, problems, where)
+        if output is None:
+            continue
+        mismatches = _compare(where, table, output)
+        problems += mismatches
+        if not mismatches:
             recorded_cells.update(cell for row in table.rows for cell in row)
     recorded = {_number(n) for cell in recorded_cells for n in NUMBER.findall(cell)}
-    for unit in _units(text):
+    for unit in _units(text, found):
         allowed = set(recorded)
         for command in unit.figures:
-            if command not in outputs:
-                try:
-                    outputs[command] = run_record(command, root)
-                except (FigureError, subprocess.TimeoutExpired) as err:
-                    problems.append(f"{name}:{unit.lines[0][0]}: {err}")
-                    outputs[command] = ""
-            allowed |= {_number(n) for n in NUMBER.findall(outputs[command])}
+            output = _output(command, root, outputs, problems, f"{name}:{unit.lines[0][0]}")
+            allowed |= {_number(n) for n in NUMBER.findall(output or "")}
         about_accuracy = unit.accuracy
         if about_accuracy is None:
             about_accuracy = any(ACCURACY_WORDS.search(line) for _, line in unit.lines)
@@ -193,10 +201,9 @@ class Unit:
     accuracy: bool | None = None  # a table's rows: whether its header names accuracy; text: by its words
 
 
-def _units(text: str) -> list[Unit]:
-    """The text's paragraphs, list items and tables without a record line, outside code blocks; the ``figures``
-    lines right above a block (no blank line between) apply to each of its units."""
-    found = tables(text)
+def _units(text: str, found: Sequence[Table]) -> list[Unit]:
+    """The text's paragraphs, list items and tables without a record line (``found``: the text's tables), outside
+    code blocks; the ``figures`` lines right above a block (no blank line between) apply to each of its units."""
     recorded = _table_lines(t for t in found if t.record)
     table_at = {t.line: t for t in found if not t.record}
     units: list[Unit] = []
@@ -205,10 +212,11 @@ def _units(text: str) -> list[Unit]:
         if number < skip:
             current.lines.append((number, line))
             continue
-        if FENCE.match(line):
+        fence = FENCE.match(line)
+        if fence:
             fenced = not fenced
         match = FIGURES.match(line)
-        if fenced or FENCE.match(line) or number in recorded or not line.strip() or RECORD.match(line) or match:
+        if fenced or fence or number in recorded or not line.strip() or RECORD.match(line) or match:
             block = current = None
             if match:
                 markers.append(match["command"])
@@ -219,8 +227,7 @@ def _units(text: str) -> list[Unit]:
             block, markers = markers, []
         if number in table_at:  # an unrecorded table: one unit, about accuracy if its header says so
             table = table_at[number]
-            accuracy = any(ACCURACY_HEADER.search(cell) for cell in table.header)
-            current = Unit([(number, line)], list(block), accuracy)
+            current = Unit([(number, line)], list(block), table.about_accuracy)
             units.append(current)
             skip = number + len(table.rows) + 2
             continue
@@ -251,7 +258,7 @@ def documents(root: Path) -> list[Path]:
 
 def check(root: Path, paths: Iterable[Path] | None = None) -> list[str]:
     """Every problem of the documents (default :func:`documents`), one line each."""
-    outputs: dict[str, str] = {}
+    outputs: dict[str, str | None] = {}
     problems: list[str] = []
     for path in documents(root) if paths is None else paths:
         name = str(path.relative_to(root)) if path.is_relative_to(root) else str(path)

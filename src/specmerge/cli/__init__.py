@@ -11,7 +11,7 @@ import signal
 import sys
 
 from specmerge.cli.commands import bench_command, build_parser, describe
-from specmerge.cli.running import Signalled, broken_pipe, stop_on_signals
+from specmerge.cli.running import Signalled, broken_pipe, flush_stdout, stop_on_signals
 
 __all__ = ["build_parser", "describe", "main"]
 
@@ -29,8 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser(__doc__).parse_args(argv)
         with stop_on_signals():
             status = args.run(args)
-        if sys.stdout is not None:  # (None: no stdout at all, as under pythonw or redirect_stdout(None))
-            sys.stdout.flush()  # a reader gone is found here, not by Python's own flush at exit
+        flush_stdout()
         return status
     except BrokenPipeError as err:
         return broken_pipe(err, "specmerge")

@@ -44,6 +44,14 @@ def broken_pipe(err: BrokenPipeError, prog: str) -> int:
     return PIPE_CLOSED
 
 
+def flush_stdout() -> None:
+    """Flush stdout at the end of a command, so that a reader gone (``| head``) raises BrokenPipeError here, where
+    :func:`broken_pipe` handles it, not in Python's own flush at exit; nothing where there is no stdout (pythonw,
+    ``redirect_stdout(None)``)."""
+    if sys.stdout is not None:
+        sys.stdout.flush()
+
+
 def _stdout_gone() -> bool:
     """Whether stdout is a pipe or socket that nobody reads any more (poll says so where it can)."""
     try:

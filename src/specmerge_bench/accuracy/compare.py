@@ -95,12 +95,18 @@ def average(seed: Mapping[str, Any], label: str, tasks: Sequence[str] | None = N
     return exact_mean([test[t] for t in tasks])
 
 
-def paired(results: Mapping[str, Any], row: str, against: str) -> dict[str, float] | None:
-    """Mean and std over seeds of ``row``'s average test accuracy minus ``against``'s; None if a row is missing."""
+def differences(results: Mapping[str, Any], row: str, against: str) -> list[float] | None:
+    """Per seed, ``row``'s average test accuracy minus ``against``'s; None if a seed lacks either row."""
     seeds = results["per_seed"]
     if any(label not in seed["rows"] for seed in seeds for label in (row, against)):
         return None
-    return seed_stats([average(seed, row) - average(seed, against) for seed in seeds])
+    return [average(seed, row) - average(seed, against) for seed in seeds]
+
+
+def paired(results: Mapping[str, Any], row: str, against: str) -> dict[str, float] | None:
+    """Mean and std over seeds of ``row``'s average test accuracy minus ``against``'s; None if a row is missing."""
+    diffs = differences(results, row, against)
+    return None if diffs is None else seed_stats(diffs)
 
 
 def sweep_peak(results: Mapping[str, Any]) -> tuple[int, float, int, float] | None:
@@ -242,14 +248,14 @@ def per_seed_markdown(name: str, results: Mapping[str, Any]) -> str:
               f"| claim | {columns} | paired | holds in |", rule + "|---:|"]  # fmt: skip
     rows = summary["rows"]
     for row, against in CLAIMS:
-        if any(label not in seed["rows"] for seed in seeds for label in (row, against)):
+        diffs = differences(results, row, against)
+        if diffs is None:
             continue
-        diffs = [a - b for a, b in zip(per_seed(row), per_seed(against), strict=True)]
         own = "/".join(f"{100 * rows[k]['average']['std']:.1f}" for k in (row, against))
-        pair = _cell(paired(results, row, against), n, 2, "+") + (f" ({own})" if n > 1 else "")
+        pair = _cell(seed_stats(diffs), n, 2, "+") + (f" ({own})" if n > 1 else "")
+        cells = " | ".join(f"{100 * d:+.2f}" for d in diffs)
         holds = sum(d > 0 for d in diffs)
-        lines.append(f"| {rows[row]['title']} > {rows[against]['title']} | "
-                     + " | ".join(f"{d:+.2f}" for d in diffs) + f" | {pair} | {holds} of {n} seeds |")  # fmt: skip
+        lines.append(f"| {rows[row]['title']} > {rows[against]['title']} | {cells} | {pair} | {holds} of {n} seeds |")
     sweep = [label for label in SWEEP if all(label in seed["rows"] for seed in seeds)]
     if sweep:
         lines += ["", f"The WUDI step sweep in {name}, seed by seed (Adam, lr 1e-5, from tau_init = sum; one run per "

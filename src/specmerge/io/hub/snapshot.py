@@ -24,7 +24,7 @@ from pathlib import Path
 from specmerge.io.formats import names as formats
 from specmerge.io.formats.files import folder_file
 from specmerge.io.formats.protocol import SourceError
-from specmerge.io.output.model_files import MODEL_FILE_PATTERNS, WEIGHT_PATTERNS
+from specmerge.io.output.model_files import MODEL_FILE_PATTERNS, WEIGHT_PATTERNS, is_weight_file
 
 README = "README.md"  # the model card: its front matter may state the license
 SHORT_COMMIT = re.compile(r"[0-9a-f]{7,39}")
@@ -65,7 +65,7 @@ def needed_files(files: Collection[str]) -> list[str]:
         f
         for f in top
         if f not in weights
-        and not any(fnmatch.fnmatchcase(f, p) for p in WEIGHT_PATTERNS)
+        and not is_weight_file(f)
         and (f == README or any(fnmatch.fnmatchcase(f, p) for p in MODEL_FILE_PATTERNS))
     ]
     return weights + extra
@@ -165,7 +165,7 @@ def _fetch(
         raise where.error(refused) from None
     tree = _cached_tree(repo_id, folder, cache)
     files = _listing(folder) if tree is None else tree
-    if not any(fnmatch.fnmatchcase(f, p) for f in files if "/" not in f for p in WEIGHT_PATTERNS):
+    if not any(is_weight_file(f) for f in files if "/" not in f):
         raise where.no_checkpoint(folder, reason, listed=tree is not None)
     needed = needed_files(files)
     missing = [f for f in needed if not os.path.lexists(folder / f)]  # listed by the tree cache, never downloaded

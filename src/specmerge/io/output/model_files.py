@@ -56,6 +56,11 @@ MODEL_FILE_PATTERNS = CONFIG_FILE_PATTERNS + TOKENIZER_FILE_PATTERNS
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json")
 
 
+def is_weight_file(name: str) -> bool:
+    """Whether a file name (as a repository lists it) is one of a checkpoint's weight files (``WEIGHT_PATTERNS``)."""
+    return any(fnmatch.fnmatchcase(name, p) for p in WEIGHT_PATTERNS)
+
+
 def write_output_config(
     out_dir: str | os.PathLike,
     weights: Iterable[TensorInfo],
