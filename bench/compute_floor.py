@@ -17,10 +17,15 @@ and whether the two keep the same K. Layers:
 
 - synthetic experts like real fine-tunes (``specmerge-bench speed``'s: rank-64 signal + noise): the CLIP-ViT-B/32
   shapes 768 x 768, 3072 x 768 and 768 x 3072 (N = 8) at noise 0.2 (psqrt keeps about 29 %) and 0.01 (16 %);
-  ``--large``: Llama-3.2-3B's down_proj, 3072 x 8192, N = 4 (about 10 minutes on 2 cores); ``--qwen``: Qwen2-7B's,
+  ``--large``: Llama-3.2-3B's down_proj, 3072 x 8192, N = 4, at noise 0.2 and 0.01 (psqrt keeps about 12 % and 3.5 %;
+  about 10 minutes each on 2 cores); ``--qwen``: Qwen2-7B's,
   3584 x 18944, N = 4 (about an hour, 6 GB);
 - ``--experts FOLDER``: real experts, one folder per expert (``model.safetensors``) fine-tuned from ``--base``
   (default: the accuracy benchmark's pinned MiniLM); one layer of each shape, from the last block.
+
+``--accuracy`` (CPU) adds, per layer, SWUDI-A's relative distance from its own float64 merge, the same distance for
+the paper's algorithm in float32 (one eigh of C, psqrt K on its eigenvalues, 1 / lambda: :func:`plain_swudi_a`), their
+ratio and the three K (issue 50: at most 3x).
 
 ``--models DIR`` (``bench/memory.py generate``'s layout: base/, expert0/ ...) adds a whole-model SWUDI-A merge,
 run twice in this process: with the partial eigensolver, and with it switched off (every layer through eigh, as
@@ -51,7 +56,7 @@ from specmerge_bench.speed import best_seconds as best
 from specmerge_bench.speed import synthetic_stack
 
 SHAPES = [(8, d_out, d_in, noise) for noise in (0.2, 0.01) for d_out, d_in in ((768, 768), (3072, 768), (768, 3072))]
-LARGE = (4, 3072, 8192, 0.2)
+LARGE = [(4, 3072, 8192, 0.2), (4, 3072, 8192, 0.01)]  # dense noise (psqrt K near 1000), small (K near 300)
 QWEN = (4, 3584, 18944, 0.2)
 METHODS = (("swudi_a", {}), ("swudi", {"rank_ratio": 0.65}))
 
@@ -112,7 +117,32 @@ def float64_check(stack: torch.Tensor, merged: torch.Tensor, kept: int) -> str:
     return f"{float(change):.1e}, {same}"
 
 
-def layer_row(name: str, stack: torch.Tensor, repeats: int) -> str:
+def plain_swudi_a(stack: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """SWUDI-A (psqrt, start at the sum) as the paper's algorithm computes it: one eigh of C in the stack's dtype,
+    K by psqrt on its eigenvalues (clipped at 0), tau_hat = tau_sum + (D - tau_sum C) Q_K diag(1 / lambda) Q_K^T."""
+    from specmerge.linalg.quadratic import normal_equation
+    from specmerge.linalg.rank_rules import psqrt_rank
+
+    eq = normal_equation(stack)
+    lam, Q = torch.linalg.eigh(eq.C)
+    lam, Q = lam.flip(0).clamp(min=0), Q.flip(1)
+    kept = psqrt_rank(lam)
+    Q, start = Q[:, :kept], stack.sum(0)
+    B = eq.D_times(Q) - start @ (eq.C @ Q)
+    return start + (B / lam[:kept]) @ Q.T, kept
+
+
+def accuracy_cells(stack: torch.Tensor, merged: torch.Tensor, kept: int) -> list[str]:
+    """SWUDI-A's relative distance from its float64 merge, a plain float32 eigh's (:func:`plain_swudi_a`), their
+    ratio, and the K of each of the three."""
+    exact = get_method("swudi_a")(stack.double())
+    plain, plain_kept = plain_swudi_a(stack)
+    ours, theirs = ((x.double() - exact.delta).norm() / exact.delta.norm() for x in (merged, plain))
+    ks = f"{kept} / {plain_kept} / {int(exact.diagnostics['kept_rank'])}"
+    return [f"{float(ours):.1e}", f"{float(theirs):.1e}", f"{float(ours / theirs):.2f}", ks]
+
+
+def layer_row(name: str, stack: torch.Tensor, repeats: int, accuracy: bool = False) -> str:
     device = stack.device
     t_c, t_d, t_eigh, t_values = floor_parts(stack, repeats)
     floor = t_c + t_d + t_eigh
@@ -127,6 +157,8 @@ def layer_row(name: str, stack: torch.Tensor, repeats: int) -> str:
             cells += [f"{b_seconds:.2f}"]
             if device.type == "cuda":
                 cells += [float64_check(stack, result.delta, kept) if max(stack.shape[1:]) <= CHECKED_WIDTH else ""]
+            elif accuracy:
+                cells += accuracy_cells(stack, result.delta, kept)
     return "| " + " | ".join(cells) + " |"
 
 
@@ -250,7 +282,10 @@ def whole_model(models: Path, parser: Parser, before_src: Path | None) -> None:
 def main() -> None:
     parser = Parser(prog="compute_floor.py", description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs per step, the best kept (default 3)")
-    parser.add_argument("--large", action="store_true", help="add a 3072 x 8192 down_proj layer (N = 4)")
+    parser.add_argument("--large", action="store_true",
+                        help="add the 3072 x 8192 down_proj layer (N = 4) at noise 0.2 and 0.01")  # fmt: skip
+    parser.add_argument("--accuracy", action="store_true", help="on the CPU: add SWUDI-A's and a plain float32 "
+                        "eigh merge's distance from SWUDI-A in float64, and their ratio")  # fmt: skip
     parser.add_argument("--qwen", action="store_true", help="add a 3584 x 18944 down_proj layer (N = 4)")
     parser.add_argument("--synthetic", action="store_true", help="the CLIP-shaped synthetic layers (default: "
                         "on unless --experts or --models is given)")  # fmt: skip
@@ -276,7 +311,7 @@ def main() -> None:
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"{torch.get_num_threads()} threads"
     print(f"# torch {torch.__version__}, {where}, float32, best of {args.repeats}\n")
     rows = [(n, d_out, d_in, noise) for n, d_out, d_in, noise in SHAPES if synthetic]
-    rows += [LARGE] if args.large else []
+    rows += LARGE if args.large else []
     rows += [QWEN] if args.qwen else []
     layers = [(f"{d_out} x {d_in}, N = {n}, noise {noise}", lambda s=(n, d_out, d_in, noise): synthetic_stack(
         s[0], s[1], s[2], rank=64, noise=s[3])) for n, d_out, d_in, noise in rows]  # fmt: skip
@@ -284,11 +319,13 @@ def main() -> None:
         layers += [(name, lambda s=stack: s) for name, stack in expert_stacks(parser, args.experts, args.base)]
     if layers:
         check = " SWUDI-A against float64 |" if device.type == "cuda" else ""
+        if args.accuracy and device.type == "cpu":
+            check = " SWUDI-A from float64 | plain eigh from float64 | ratio | K (SWUDI-A / plain / float64) |"
         print("| layer | C (GEMM) | D | eigh | eigvalsh | floor | SWUDI-A | / floor | K | SWUDI-A, B route |"
               f"{check} SWUDI r 0.65 | / floor | K |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-              f"{'---:|' if check else ''}---:|---:|---:|")  # fmt: skip
+              f"{'---:|' * check.count('|')}---:|---:|---:|")  # fmt: skip
         for name, make in layers:
-            print(layer_row(name, make().to(device), args.repeats), flush=True)
+            print(layer_row(name, make().to(device), args.repeats, args.accuracy), flush=True)
         print()
     if args.models is not None:
         whole_model(args.models, parser, args.before_src)

@@ -136,9 +136,11 @@ class Projection:
         return self.spectrum.eigenvalues.new_zeros(self.n_rows, self.spectrum.vector_length)
 
     def uses_product(self, count: int) -> bool:
-        """Whether the columns of the ``count`` leading eigenvectors come by the product route (partial spectra)."""
+        """Whether the columns of the ``count`` leading eigenvectors come by the product route (partial spectra, and
+        the leading vectors refined by Rayleigh-Ritz)."""
         d_in = self.spectrum.vector_length
-        return self.spectrum.partial and product_pays(self.n_experts, self.n_rows, d_in, count, self.start is not None)
+        few = self.spectrum.partial or self.spectrum.refined
+        return few and product_pays(self.n_experts, self.n_rows, d_in, count, self.start is not None)
 
     def estimates_d_norm(self, count: int) -> bool:
         """Whether the rounding test of a solve from the ``count`` leading eigenvectors reads the estimate of

@@ -29,7 +29,15 @@ from specmerge.linalg.projection import (
     shared_update,
 )
 from specmerge.linalg.quadratic import NormalEquation, TauInit, initial_point, normal_equation
-from specmerge.linalg.spectrum import Spectrum, choose_rank, decompose, directions, prefix
+from specmerge.linalg.spectrum import (
+    Spectrum,
+    choose_rank,
+    decompose,
+    directions,
+    prefix,
+    ritz_pays,
+    ritz_refined,
+)
 
 
 def _gains_and_dropped(spectrum: Spectrum, filt: Filter) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +194,9 @@ class LayerProjections(Protocol):
     n_experts: int  # experts with a non-zero task vector (0: the merge is zero)
     n_total: int  # experts in the stack, those with a zero task vector included
 
-    def projection(self, tau_init: TauInit, *, accurate: bool = False, partial: bool = False) -> Projection: ...
+    def projection(
+        self, tau_init: TauInit, *, accurate: bool = False, partial: bool = False, leading: int | None = None
+    ) -> Projection: ...
 
     def wants_partial(self, kept: Kept) -> bool: ...
 
@@ -205,6 +215,7 @@ class FreshLayer:
         self.task_vectors, self.full_shape = task_vectors, full_shape
         self._starts: dict[str, RightHandSide] = {}
         self._projections: dict[tuple[str, str], Projection] = {}
+        self._spectra: dict[str, Spectrum] = {}  # by kind: a merge that asks again (accurate after partial) reuses
 
     @functools.cached_property
     def _equation(self) -> NormalEquation:
@@ -225,24 +236,42 @@ class FreshLayer:
         d_in = self.task_vectors.shape[2]
         return wants_partial(kept, d_in if self.full_shape is None else self.full_shape[1], d_in)
 
-    def projection(self, tau_init: TauInit, *, accurate: bool = False, partial: bool = False) -> Projection:
+    def projection(
+        self, tau_init: TauInit, *, accurate: bool = False, partial: bool = False, leading: int | None = None
+    ) -> Projection:
         eq = self._equation
         if not eq.n_experts:
             raise ValueError("no expert has a non-zero task vector: there is no spectrum (check n_experts first)")
         kind = "partial" if partial else "full"
-        spectrum = shared_spectrum(self.task_vectors, eq, self.full_shape, kind)
+        spectrum = self._spectrum(kind)
         if accurate and not spectrum.accurate:
-            kind, spectrum = "accurate", shared_spectrum(self.task_vectors, eq, self.full_shape, "accurate")
+            if ritz_pays(leading, spectrum):  # a top-K filter: its K directions refined, no second decomposition
+                base, kind = spectrum, f"{kind}-ritz-{leading}"
+                if kind not in self._spectra:
+                    key = (id(self.task_vectors), self.task_vectors._version, self.full_shape, kind)
+                    self._spectra[kind] = _shared(key, self.task_vectors, lambda: ritz_refined(eq, base, leading))
+                spectrum = self._spectra[kind]
+            else:
+                kind, spectrum = "accurate", self._spectrum("accurate")
         if (tau_init, kind) not in self._projections:
             if tau_init not in self._starts:  # B = D - tau_init C at most once per start, whichever spectrum asks
                 self._starts[tau_init] = RightHandSide(eq, initial_point(self.task_vectors, tau_init))
             self._projections[tau_init, kind] = fresh_projection(self._starts[tau_init], spectrum)
         return self._projections[tau_init, kind]
 
+    def _spectrum(self, kind: str) -> Spectrum:
+        """The ``kind`` spectrum (full, partial or accurate), decomposed once per layer (and shared within
+        :func:`shared_decompositions`)."""
+        if kind not in self._spectra:
+            self._spectra[kind] = shared_spectrum(self.task_vectors, self._equation, self.full_shape, kind)
+        return self._spectra[kind]
+
 
 def needs_accurate(spectrum: Spectrum, filt: Filter) -> bool:
     """Whether ``filt`` would invert, without bound, eigenvalues that this (eigh) spectrum does not resolve
-    (pseudoinverse, small Tikhonov alpha): the merge then decomposes again through the SVD of M, which resolves them."""
+    (pseudoinverse, small Tikhonov alpha, a top-K cut below the floor): the merge then takes an accurate spectrum,
+    the leading K refined by Rayleigh-Ritz through M for a top-K filter (:func:`~specmerge.linalg.spectrum.ritz_pays`),
+    else the SVD of M, which resolves them all."""
     return not spectrum.accurate and bool(_gains_and_dropped(spectrum, filt)[1].any())
 
 
@@ -275,7 +304,7 @@ def spectral_merge(
     p = layer.projection(tau_init, partial=partial)
     filt, k = make_filter(p.spectrum)
     if needs_accurate(p.spectrum, filt):  # the rank rule, if any, keeps the K it chose on the first spectrum
-        p = layer.projection(tau_init, accurate=True, partial=partial)
+        p = layer.projection(tau_init, accurate=True, partial=partial, leading=k)
     gains = filt(p.spectrum.eigenvalues)
     tau_hat = solve(p, filt, k)
     return scale * tau_hat, spectrum_diagnostics(layer.n_experts, p.spectrum, k, gains)

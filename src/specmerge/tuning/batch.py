@@ -55,10 +55,12 @@ class SharedProducts:
     def wants_partial(self, kept: Kept) -> bool:
         return self.layer.wants_partial(kept)
 
-    def projection(self, tau_init: str, *, accurate: bool = False, partial: bool = False) -> Projection:
-        key = (tau_init, accurate, partial)
+    def projection(
+        self, tau_init: str, *, accurate: bool = False, partial: bool = False, leading: int | None = None
+    ) -> Projection:
+        key = (tau_init, accurate, partial, leading if accurate else None)
         if key not in self._projections:
-            p = self.layer.projection(tau_init, accurate=accurate, partial=partial)
+            p = self.layer.projection(tau_init, accurate=accurate, partial=partial, leading=leading)
             if p.held is None and not p.spectrum.partial:
                 raise ProjectionMissing("only stored projections are shared between settings")
             self._projections[key] = p.sharing()  # its own list of products

@@ -156,8 +156,10 @@ class CachedLayer:
         d_in = self._meta["shape"][1]
         return wants_partial(kept, d_in, d_in)
 
-    def projection(self, tau_init: TauInit, *, accurate: bool = False, partial: bool = False) -> Projection:
-        kind = spectrum_kind(accurate, partial)
+    def projection(
+        self, tau_init: TauInit, *, accurate: bool = False, partial: bool = False, leading: int | None = None
+    ) -> Projection:
+        kind = spectrum_kind(accurate, partial)  # the cache stores no accurate spectrum: those merge from the stack
         if (kind, tau_init) in self._loaded:
             return self._loaded[kind, tau_init]
         p = self._load(kind, tau_init)
