@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from specmerge.linalg import eigensolver, projection
+from specmerge.linalg import eigensolver, projection, solve, spectrum
 from specmerge.methods import get_method
 from specmerge_bench.inputs import Parser, fail, model_family, model_folder
 from specmerge_bench.speed import best_seconds as best
@@ -132,14 +132,39 @@ def plain_swudi_a(stack: torch.Tensor) -> tuple[torch.Tensor, int]:
     return start + (B / lam[:kept]) @ Q.T, kept
 
 
-def accuracy_cells(stack: torch.Tensor, merged: torch.Tensor, kept: int) -> list[str]:
+@contextlib.contextmanager
+def counting_refinements() -> Iterator[list[int]]:
+    """Counts the leading-K refinements (:func:`specmerge.linalg.spectrum.ritz_refined`) made inside the block."""
+    refine, count = solve.ritz_refined, [0]
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return refine(*args, **kwargs)
+
+    solve.ritz_refined = counted
+    try:
+        yield count
+    finally:
+        solve.ritz_refined = refine
+
+
+def accuracy_cells(stack: torch.Tensor, merged: torch.Tensor, kept: int, refined: bool) -> list[str]:
     """SWUDI-A's relative distance from its float64 merge, a plain float32 eigh's (:func:`plain_swudi_a`), their
-    ratio, and the K of each of the three."""
+    ratio, the K of each of the three; and, where the merge refined its K directions (a cut below eigh's floor), the
+    seconds and distance of the same merge through the SVD of M instead (the route before issue 50)."""
     exact = get_method("swudi_a")(stack.double())
     plain, plain_kept = plain_swudi_a(stack)
     ours, theirs = ((x.double() - exact.delta).norm() / exact.delta.norm() for x in (merged, plain))
     ks = f"{kept} / {plain_kept} / {int(exact.diagnostics['kept_rank'])}"
-    return [f"{float(ours):.1e}", f"{float(theirs):.1e}", f"{float(ours / theirs):.2f}", ks]
+    svd = ""
+    if refined:
+        share, spectrum.RITZ_MAX_SHARE = spectrum.RITZ_MAX_SHARE, 0.0
+        try:
+            seconds, before = best(lambda: get_method("swudi_a")(stack), 1)
+        finally:
+            spectrum.RITZ_MAX_SHARE = share
+        svd = f"{seconds:.2f} s, {float((before.delta.double() - exact.delta).norm() / exact.delta.norm()):.1e}"
+    return [f"{float(ours):.1e}", f"{float(theirs):.1e}", f"{float(ours / theirs):.2f}", ks, svd]
 
 
 def layer_row(name: str, stack: torch.Tensor, repeats: int, accuracy: bool = False) -> str:
@@ -148,7 +173,8 @@ def layer_row(name: str, stack: torch.Tensor, repeats: int, accuracy: bool = Fal
     floor = t_c + t_d + t_eigh
     cells = [name, f"{t_c:.2f}", f"{t_d:.2f}", f"{t_eigh:.2f}", f"{t_values:.2f}", f"{floor:.2f}"]
     for method, params in METHODS:
-        seconds, result = best(lambda m=method, p=params: get_method(m)(stack, **p), repeats, device)
+        with counting_refinements() as refined:
+            seconds, result = best(lambda m=method, p=params: get_method(m)(stack, **p), repeats, device)
         kept = int(result.diagnostics["kept_rank"])
         cells += [f"{seconds:.2f}", f"{seconds / floor:.2f}", str(kept)]
         if method == "swudi_a":
@@ -158,7 +184,7 @@ def layer_row(name: str, stack: torch.Tensor, repeats: int, accuracy: bool = Fal
             if device.type == "cuda":
                 cells += [float64_check(stack, result.delta, kept) if max(stack.shape[1:]) <= CHECKED_WIDTH else ""]
             elif accuracy:
-                cells += accuracy_cells(stack, result.delta, kept)
+                cells += accuracy_cells(stack, result.delta, kept, refined[0] > 0)
     return "| " + " | ".join(cells) + " |"
 
 
@@ -320,7 +346,8 @@ def main() -> None:
     if layers:
         check = " SWUDI-A against float64 |" if device.type == "cuda" else ""
         if args.accuracy and device.type == "cpu":
-            check = " SWUDI-A from float64 | plain eigh from float64 | ratio | K (SWUDI-A / plain / float64) |"
+            check = (" SWUDI-A from float64 | plain eigh from float64 | ratio | K (SWUDI-A / plain / float64) |"
+                     " SVD route instead: seconds, from float64 |")  # fmt: skip
         print("| layer | C (GEMM) | D | eigh | eigvalsh | floor | SWUDI-A | / floor | K | SWUDI-A, B route |"
               f"{check} SWUDI r 0.65 | / floor | K |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
               f"{'---:|' * check.count('|')}---:|---:|---:|")  # fmt: skip
