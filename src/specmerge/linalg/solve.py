@@ -222,6 +222,16 @@ class FreshLayer:
         return shared_equation(self.task_vectors)
 
     @property
+    def equation(self) -> NormalEquation:
+        """The layer's normal equation (formed when first asked for)."""
+        return self._equation
+
+    def give(self, kind: str, spectrum: Spectrum) -> None:
+        """Use ``spectrum`` as this layer's ``kind`` ("full" or "partial") spectrum: decomposed elsewhere, as
+        :func:`~specmerge.linalg.spectrum.decompose` would (a batch of layers: ``decompose_batch``)."""
+        self._spectra[kind] = spectrum
+
+    @property
     def n_experts(self) -> int:
         return self._equation.n_experts
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -199,16 +200,55 @@ def decompose(
     if full_shape is not None:
         core = decompose(eq, accurate=accurate, partial=partial)
         return _embed(core, eq.n_experts * full_shape[0], full_shape[1])
-    if eq.tau.dtype == torch.float32 and float64_spectra(eq.tau.device):
-        return _float64_spectrum(eq, n_rows, n_cols)
+    matrix = eigh_input(eq, accurate=accurate, partial=partial)
+    if matrix is not None:
+        return from_eigh(eq, *torch.linalg.eigh(matrix))
     if accurate or n_rows < n_cols:
         sigma, Q = _singular_pairs(eq.M)
         return _spectrum(sigma * sigma, Q, n_rows, n_cols, accurate=True)
-    if partial and eigensolver.solves(eq.C):
-        reduction = eigensolver.reduce(eq.C)
-        return _spectrum(reduction.eigenvalues.to(eq.C.dtype), None, n_rows, n_cols, False, reduction)
-    lam, Q = torch.linalg.eigh(eq.C)
+    reduction = eigensolver.reduce(eq.C)
+    return _spectrum(reduction.eigenvalues.to(eq.C.dtype), None, n_rows, n_cols, False, reduction)
+
+
+def eigh_input(eq: NormalEquation, *, accurate: bool = False, partial: bool = False) -> torch.Tensor | None:
+    """The symmetric matrix :func:`decompose` hands to ``torch.linalg.eigh`` for this request (a layer's own stack,
+    not LoRA cores), or None where it takes another route: C in float64 on a GPU with fast float64
+    (:func:`float64_spectra`), else C itself unless the SVD of M (``accurate``, or N d_out < d_in) or the reduction
+    (``partial`` where :func:`~specmerge.linalg.eigensolver.solves`) is taken. :func:`decompose_batch` stacks these
+    for several layers of one shape."""
+    if eq.tau.dtype == torch.float32 and float64_spectra(eq.tau.device):
+        return eq.gram(torch.float64)
+    if accurate or eq.n_experts * eq.d_out < eq.d_in or (partial and eigensolver.solves(eq.C)):
+        return None
+    return eq.C
+
+
+def from_eigh(eq: NormalEquation, lam: torch.Tensor, Q: torch.Tensor) -> Spectrum:
+    """:func:`decompose`'s spectrum from ``torch.linalg.eigh(eigh_input(eq))`` (ascending, as eigh returns them): C's
+    own (eigenvalues to about eps lambda_1), or float64's leading min(N d_out, d_in) pairs cast back to the layer's
+    dtype (:func:`_float64_spectrum`)."""
+    n_rows, n_cols = eq.n_experts * eq.d_out, eq.d_in
+    if lam.dtype != eq.tau.dtype:
+        return _float64_spectrum(eq, n_rows, n_cols, lam, Q)
     return _spectrum(lam.flip(0), Q.flip(1), n_rows, n_cols, accurate=False)
+
+
+def decompose_batch(
+    equations: Sequence[NormalEquation], *, partial: Sequence[bool] | None = None
+) -> list[Spectrum] | None:
+    """:func:`decompose` of several layers' equations (one shape, dtype and device) through one batched eigh, the
+    same spectra as one call per layer (``torch.linalg.eigh`` on a stack decomposes each matrix as alone); None where
+    some layer takes another route than eigh (:func:`eigh_input`). ``partial``: what each layer's filter asks for.
+    Memory: the stacked matrices, their eigenvectors and eigh's workspace for every layer at once."""
+    wanted = [False] * len(equations) if partial is None else list(partial)
+    matrices = [eigh_input(eq, partial=p) for eq, p in zip(equations, wanted, strict=True)]
+    if not matrices or any(m is None for m in matrices) or len({(m.shape, m.dtype) for m in matrices}) > 1:
+        return None
+    stacked = torch.stack(matrices)
+    del matrices
+    lam, Q = torch.linalg.eigh(stacked)
+    del stacked
+    return [from_eigh(eq, lam[i], Q[i]) for i, eq in enumerate(equations)]
 
 
 def _singular_pairs(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,7 +265,9 @@ def _singular_pairs(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return S, Vh.T
 
 
-def _float64_spectrum(eq: NormalEquation, n_rows: int, n_cols: int) -> Spectrum:
+def _float64_spectrum(
+    eq: NormalEquation, n_rows: int, n_cols: int, lam: torch.Tensor | None = None, Q: torch.Tensor | None = None
+) -> Spectrum:
     """eigh of C formed in float64, the leading min(n_rows, n_cols) pairs cast back to the layer's dtype.
 
     C = sum_i X_i^T X_i / n_i over the experts (or their proxies) X_i, each cast to float64 in turn: one expert's
@@ -234,7 +276,8 @@ def _float64_spectrum(eq: NormalEquation, n_rows: int, n_cols: int) -> Spectrum:
     rounding: it is marked ``accurate``, and serves the filters that ask for the SVD route too (one decomposition,
     tall and wide layers alike).
     """
-    lam, Q = torch.linalg.eigh(eq.gram(torch.float64))
+    if lam is None or Q is None:
+        lam, Q = torch.linalg.eigh(eq.gram(torch.float64))
     m = min(n_rows, n_cols)
     lam, Q = lam.flip(0)[:m].to(eq.tau.dtype), Q.flip(1)[:, :m].to(eq.tau.dtype)
     return _spectrum(lam, Q, n_rows, n_cols, accurate=True)

@@ -88,6 +88,10 @@ class SettingsJob(ModelJob):
         self.accumulators = [ReportAccumulator(self.items) for _ in plans]
         self._pool = ThreadPoolExecutor(min(WRITERS, len(writes)), thread_name_prefix="specmerge-outputs")
 
+    def batch_key(self, item: WorkItem) -> None:
+        """Settings jobs compute one item at a time (each item merged once per plan)."""
+        return None
+
     def _layer(self, item: WorkItem) -> LayerProjections | None:
         layer = super()._layer(item)
         if layer is None or not self.reuse:

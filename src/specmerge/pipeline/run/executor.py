@@ -6,24 +6,48 @@ delivered on a writer thread one item behind, so disk and compute overlap and at
 written. Peak memory is about two sets of inputs of the largest item plus its compute's workspace, never a
 model. A progress bar shows the job's progress (:class:`~specmerge.pipeline.run.work.Progress`: each item advances it by
 its estimated seconds), the time elapsed and left, and the tensors finished.
+
+With ``batch`` > 1 (a job that can batch: :meth:`~specmerge.pipeline.run.jobs.ModelJob.batch_key`), items of the same
+key (one spectral method, parameters and shape) are read and computed together, up to ``batch`` at a time, their
+decompositions in one batched eigh (:func:`~specmerge.pipeline.run.compute.merge_spectral_batch`): a unit is placed
+at its first item's position, and the items it takes from later in the plan leave theirs. The output is the same
+bits; memory holds two units' inputs and one unit's compute.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
 from specmerge.pipeline.run.threads import io_thread_setup
-from specmerge.pipeline.run.work import Job, ReportAccumulator, TensorReport
+from specmerge.pipeline.run.work import Inputs, Job, ReportAccumulator, TensorReport, WorkItem
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]"  # no units: weights are estimates
+
+
+def units(items: Sequence[WorkItem], key: Callable[[WorkItem], Hashable | None], size: int) -> list[list[int]]:
+    """The indices of ``items`` in the units an executor computes together: items of the same non-None ``key``, in
+    plan order, up to ``size`` per unit, each unit at the position of its first item; every other item alone."""
+    out: list[list[int]] = []
+    filling: dict[Hashable, list[int]] = {}
+    for k, item in enumerate(items):
+        group = key(item) if size > 1 else None
+        if group is None:
+            out.append([k])
+            continue
+        unit = filling.get(group)
+        if unit is None or len(unit) >= size:
+            unit = filling[group] = []
+            out.append(unit)
+        unit.append(k)
+    return out
 
 
 def prefetched(items: Sequence[T], read: Callable[[T], R]) -> Iterator[tuple[T, R]]:
@@ -40,10 +64,16 @@ def prefetched(items: Sequence[T], read: Callable[[T], R]) -> Iterator[tuple[T, 
 
 
 class StreamingExecutor:
-    """Runs a job's work items in plan order: reads one ahead, computes here, delivers one behind."""
+    """Runs a job's work items in plan order: reads one ahead, computes here, delivers one behind; ``batch``: up to
+    that many same-shape spectral layers computed together (see the module docstring)."""
+
+    def __init__(self, batch: int = 1) -> None:
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be a whole number of at least 1, got {batch!r}")
+        self.batch = batch
 
     def describe(self) -> dict[str, Any]:
-        return {"name": "local"}
+        return {"name": "local", **({"batch": self.batch} if self.batch > 1 else {})}
 
     def run(self, job: Job, *, progress: bool = True) -> list[TensorReport]:
         """Read, compute and deliver every item of ``job``; the per-tensor report, in plan order.
@@ -67,19 +97,27 @@ class StreamingExecutor:
             ) as bar,
             ThreadPoolExecutor(1, thread_name_prefix="specmerge-write", initializer=io_thread_setup) as writer,
         ):
-            for k, (item, inputs) in enumerate(prefetched(job.items, job.read)):
+            key = getattr(job, "batch_key", None)
+            plan = units(job.items, key, self.batch) if key is not None else [[k] for k in range(len(job.items))]
+
+            def read(unit: list[int]) -> list[Inputs]:
+                return [job.read(job.items[k]) for k in unit]
+
+            for unit, inputs in prefetched(plan, read):
+                items = [job.items[k] for k in unit]
                 start = time.perf_counter()
-                outcome = job.compute(item, inputs)
-                seconds = time.perf_counter() - start
-                if writing is not None:
-                    writing.result()  # the previous item is delivered (or its error is raised here)
-                writing = writer.submit(job.deliver, item, outcome.output)
+                outcomes = job.compute_batch(items, inputs) if len(unit) > 1 else [job.compute(items[0], inputs[0])]
+                seconds = (time.perf_counter() - start) / len(unit)  # a unit's time, shared by its items
                 del inputs
-                reports.add(item, seconds, outcome.diagnostics)
-                done += item.completes
-                bar.set_postfix_str(f"{done}/{tensors} tensors", refresh=False)
-                bar.update(weights[k])
-                del outcome
+                for k, item, outcome in zip(unit, items, outcomes, strict=True):
+                    if writing is not None:
+                        writing.result()  # the previous item is delivered (or its error is raised here)
+                    writing = writer.submit(job.deliver, item, outcome.output)
+                    reports.add(item, seconds, outcome.diagnostics)
+                    done += item.completes
+                    bar.set_postfix_str(f"{done}/{tensors} tensors", refresh=False)
+                    bar.update(weights[k])
+                del outcomes, outcome
             if writing is not None:
                 writing.result()
         return reports.reports()

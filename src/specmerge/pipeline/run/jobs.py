@@ -32,7 +32,14 @@ from specmerge.pipeline.estimate.cost import ItemCost, estimate_items
 from specmerge.pipeline.plan.prepare import prepare_merge
 from specmerge.pipeline.plan.rules import TensorPlan
 from specmerge.pipeline.recipe.model import Recipe
-from specmerge.pipeline.run.compute import merge_adapter_tensor, merge_from_layer, merge_tensor, resolve_device
+from specmerge.pipeline.run.compute import (
+    batches_spectrally,
+    merge_adapter_tensor,
+    merge_from_layer,
+    merge_spectral_batch,
+    merge_tensor,
+    resolve_device,
+)
 from specmerge.pipeline.run.finite import NonFiniteInput, locate_nonfinite
 from specmerge.pipeline.run.work import Inputs, Outcome, Progress, WorkItem, read_inputs, work_items
 
@@ -136,6 +143,33 @@ class ModelJob:
 
     def deliver(self, item: WorkItem, output: Any) -> None:
         self.write(item.name, output, row_start=item.row_start)
+
+    def batch_key(self, item: WorkItem) -> tuple | None:
+        """Items of the same key may be computed together (:meth:`compute_batch`): whole weights that one spectral
+        method merges with the same parameters, shape, layout and output dtype, with no stored projections and no
+        per-expert weights; None: computed alone."""
+        entry = item.entry
+        if item.rows is not None or entry.action != "merge" or entry.stacked or len(entry.shape) != 2:
+            return None
+        if self.options.expert_weights is not None or item.name in self.layers or not get_method(entry.method).spectral:
+            return None
+        return (entry.method, repr(sorted(entry.params.items())), entry.shape, entry.transposed, entry.out_dtype)
+
+    def compute_batch(self, items: Sequence[WorkItem], inputs: Sequence[Inputs]) -> list[Outcome]:
+        """:meth:`compute` of items of one :meth:`batch_key`, their decompositions batched
+        (:func:`~specmerge.pipeline.run.compute.merge_spectral_batch`) where every one takes the dense route: the same
+        outputs as one call per item. A NaN or Inf in an input is reported as :meth:`compute` reports it."""
+        o = self.options
+        if not all(batches_spectrally(i.entry, x.values, o.device) for i, x in zip(items, inputs, strict=True)):
+            return [self.compute(item, x) for item, x in zip(items, inputs, strict=True)]
+        try:
+            merged = merge_spectral_batch(
+                [item.entry for item in items], [x.base for x in inputs], [x.values for x in inputs],
+                device=o.device, compute_dtype=o.compute_dtype,
+            )  # fmt: skip
+        except NonFiniteInput:  # one at a time, in order: the first bad item's error, naming its files
+            return [self.compute(item, x) for item, x in zip(items, inputs, strict=True)]
+        return [Outcome(tensor, diagnostics) for tensor, diagnostics in merged]
 
     def remote(self) -> RemoteModelJob:
         """What a worker process needs to run this job's items (the shard files are created now); the spectral
