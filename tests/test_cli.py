@@ -42,6 +42,7 @@ MERGE_SAMPLES = {
     "dtype": (["--dtype", "bfloat16"], "bfloat16"),
     "compute_dtype": (["--compute-dtype", "float64"], "float64"),
     "device": (["--device", "cuda:1"], "cuda:1"),
+    "gpu_memory": (["--gpu-memory", "20GiB"], "20GiB"),
     "shard_size": (["--shard-size", "500MB"], "500MB"),
     "output_format": (["--output-format", "lora"], "lora"),
     "max_rank": (["--max-rank", "8"], 8),

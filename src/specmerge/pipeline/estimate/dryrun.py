@@ -51,7 +51,7 @@ def dry_run(
     if output is not None:
         refuse_output_inside_inputs(Path(output), [recipe.base, *recipe.experts])
         check_output(output, overwrite)
-    options = ComputeOptions.for_recipe(recipe)
+    options, absent = compute_options(recipe)
     with ExitStack() as stack:
         chosen = stack.enter_context(merge_threads(threads))
         prepared = prepare_merge(stack, recipe, output)
@@ -112,7 +112,30 @@ def dry_run(
         }
         if tensors:
             estimate["tensors"] = tensor_rows(costs)
+        if isinstance(job, ModelJob) and (options.device.type == "cuda" or absent):
+            from specmerge.pipeline.run.device_plan import plan_for
+
+            estimate["device_plan"] = plan_for(job, recipe, None if absent else options.device)[0].describe()
+            if absent:
+                estimate["device"] = (
+                    f"{recipe.device} (not here: the device plan below is for it, the rest for this CPU)"
+                )
     return estimate
+
+
+def compute_options(recipe: Recipe) -> tuple[ComputeOptions, bool]:
+    """The recipe's compute options, and whether its CUDA device is absent: a dry run may plan for a GPU that is not
+    here when ``gpu_memory`` says its budget (the per-tensor estimate is then for this machine's CPU)."""
+    try:
+        return ComputeOptions.for_recipe(recipe), False
+    except ValueError as err:
+        if not recipe.device.startswith("cuda"):
+            raise
+        if recipe.gpu_memory is None:
+            raise ValueError(
+                f"{err}; to plan for a GPU that is not here, give its memory: --gpu-memory 80GiB"
+            ) from None
+        return ComputeOptions.for_recipe(recipe.model_copy(update={"device": "cpu"})), True
 
 
 RATE_UNITS = {  # the compute rates of ComputeRates and their units
@@ -327,7 +350,27 @@ def format_estimate(estimate: dict[str, Any]) -> str:
     probed += [rates["how"][f"read {kind}"] for kind in ("cached", "disk") if "timed" in rates["how"][f"read {kind}"]]
     probed = ", ".join(probed) or "none"
     lines.append(f"rates:  probed in {human_seconds(rates['probe_seconds'])}: {probed}")
+    if "device_plan" in estimate:
+        lines += device_plan_lines(estimate["device_plan"])
     for text in estimate["assumed"]:
         lines.append(f"assumed: {text}")
     lines.append("not modelled: " + "; ".join(estimate["not_modelled"]))
     return "\n".join(lines)
+
+
+def device_plan_lines(plan: dict[str, Any]) -> list[str]:
+    """The device plan as text: budget, each group's batch and peak, the layers on the CPU, time and its rates."""
+    lines = [
+        f"device: {plan['device']}, budget {human_bytes(plan['budget_bytes'])} ({plan['budget_from']}), peak "
+        f"{human_bytes(plan['peak_bytes'])}, spectral layers {human_seconds(plan['seconds'])} "
+        f"(rates: {plan['rates']}, {plan['rates_from']})"
+    ]
+    for g in plan["groups"]:
+        where = (
+            f"batches of {g['batch']}, {human_seconds(g['seconds'])}" if g["batch"] else "on the CPU (over the budget)"
+        )
+        lines.append(
+            f"  {g['layers']:>5} x {g['shape'][0]} x {g['shape'][1]} ({g['experts']} experts): peak "
+            f"{human_bytes(g['peak_bytes'])} per batch, {where}"
+        )
+    return lines

@@ -153,6 +153,11 @@ class Recipe(BaseModel):
         default="float32", description="dtype of the merge's arithmetic"
     )
     device: Device = Field(default="cpu", description="cpu, cuda, cuda:N or auto (cuda when available)")
+    gpu_memory: Annotated[int | str | None, Flag(metavar="SIZE")] = Field(
+        default=None,
+        description="device memory a merge on a GPU may use, e.g. 20GiB (default: the free memory less 10 %); "
+        "spectral layers are batched to fit it, and a layer that cannot fit is computed on the CPU (said)",
+    )
     shard_size: Annotated[int | str, Flag(metavar="SIZE")] = Field(
         default="5GB",
         description="largest output shard: bytes, or 500MB / 2GB (powers of 1000) / 1.5GiB (powers of 1024)",
@@ -316,6 +321,18 @@ class Recipe(BaseModel):
             named = {"method": method.name} if override.method else {}
             completed.append(override.model_copy(update={"params": params, **named}))
         return completed
+
+    @field_validator("gpu_memory", mode="before")
+    @classmethod
+    def _gpu_memory(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)  # 8e10 from YAML
+        if not isinstance(value, int | str):
+            raise RecipeError(f"gpu_memory must be a number of bytes or a size such as '20GiB', got {value!r}")
+        parse_size(value, "gpu_memory")
+        return value
 
     @field_validator("shard_size", mode="before")
     @classmethod

@@ -162,10 +162,11 @@ def override_shorthands(value: Any) -> Any:
     return [parse_override(item, "override") if isinstance(item, str) else item for item in value]
 
 
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string such as ``"500MB"``, ``"2GB"`` (10**9) or ``"1.5GiB"`` (2**30)."""
+def parse_size(value: int | str, what: str = "shard_size") -> int:
+    """Bytes from an int or a string such as ``"500MB"``, ``"2GB"`` (10**9) or ``"1.5GiB"`` (2**30); ``what`` names
+    the setting in errors."""
     if isinstance(value, bool):
-        raise RecipeError(f"shard_size must be a number of bytes or a size such as '5GB', got {value!r}")
+        raise RecipeError(f"{what} must be a number of bytes or a size such as '5GB', got {value!r}")
     if isinstance(value, int):
         size = value
     else:
@@ -173,10 +174,10 @@ def parse_size(value: int | str) -> int:
         unit = match.group(2).lower() if match else None
         if unit not in _SIZE_UNITS:
             raise RecipeError(
-                f"shard_size {value!r} is not a size: use bytes or a number with a unit "
+                f"{what} {value!r} is not a size: use bytes or a number with a unit "
                 f"(B, KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = powers of 1024), e.g. '5GB'"
             )
         size = round(float(match.group(1)) * _SIZE_UNITS[unit])
     if size < 1:
-        raise RecipeError(f"shard_size must be at least 1 byte, got {value!r}")
+        raise RecipeError(f"{what} must be at least 1 byte, got {value!r}")
     return size

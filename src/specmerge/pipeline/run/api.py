@@ -203,17 +203,24 @@ def _write_model(
             plan, prepared.base, prepared.experts, write, options,
             fsync=fsync, layers=layers, recipe=prepared.recipe, shards=writer,
         )  # fmt: skip
+        extra = {}
+        if options.device.type == "cuda":  # batches and the CPU for what does not fit, by the device's memory
+            from specmerge.pipeline.run import device_plan
+
+            planned, sizes = device_plan.plan_for(job, prepared.recipe, options.device)
+            device_plan.apply(job, executor, planned, sizes)
+            extra["device_plan"] = planned.describe()
         reports = executor.run(job, progress=progress)
     model_files(prepared, folder, None if quantizer is None else quantizer.config)
     if quantizer is None:
-        return reports, {}
+        return reports, extra
     summary = quantizer.summary()
     worst = summary["largest"]
     logging.getLogger(OUTPUT_LOG).info(
         f"wrote {summary['weights']} weights in fp8 ({prepared.recipe.quantize}): largest relative error "
         f"{worst['relative_error']:.2e} ('{worst['tensor']}'), each in report.json"
     )
-    return reports, {"quantization": summary}
+    return reports, {**extra, "quantization": summary}
 
 
 def shard_writer(

@@ -292,8 +292,10 @@ def merge_spectral_batch(
     for k, spectrum in zip(decomposed, spectra or (), strict=False):
         layers[k].give(kinds[k], spectrum)
     batched = spectra is not None and len(decomposed) > 1
+    del spectra  # each layer holds its own
     merged = []
-    for entry, base, layer, params in zip(entries, base_tensors, layers, settings, strict=True):
+    for k, (entry, base, params) in enumerate(zip(entries, base_tensors, settings, strict=True)):
+        layer, layers[k] = layers[k], None  # freed once solved: its stack, C, spectrum and right-hand sides
         result = method.fn(layer, **params, **method.fixed)
         delta, diagnostics = result.delta, {**result.diagnostics, "route": "dense"}
         if batched and layer.n_experts:
@@ -303,6 +305,7 @@ def merge_spectral_batch(
         base_c = base.to(device=device, dtype=compute_dtype)
         out = delta.add_(base_c) if delta.is_contiguous() else base_c.add_(delta)
         merged.append((out.to(dtype=entry.out_dtype).cpu(), diagnostics))
+        del layer, result, delta, base_c, out
     return merged
 
 

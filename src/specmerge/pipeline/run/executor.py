@@ -32,18 +32,23 @@ R = TypeVar("R")
 BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]"  # no units: weights are estimates
 
 
-def units(items: Sequence[WorkItem], key: Callable[[WorkItem], Hashable | None], size: int) -> list[list[int]]:
+BatchSize = int | Callable[[Hashable], int]  # one size for every key, or a size per key (a device plan's)
+
+
+def units(items: Sequence[WorkItem], key: Callable[[WorkItem], Hashable | None], size: BatchSize) -> list[list[int]]:
     """The indices of ``items`` in the units an executor computes together: items of the same non-None ``key``, in
-    plan order, up to ``size`` per unit, each unit at the position of its first item; every other item alone."""
+    plan order, up to ``size`` per unit (or ``size(key)``), each unit at the position of its first item; every other
+    item alone."""
     out: list[list[int]] = []
     filling: dict[Hashable, list[int]] = {}
     for k, item in enumerate(items):
-        group = key(item) if size > 1 else None
-        if group is None:
+        group = key(item) if callable(size) or size > 1 else None
+        limit = (size(group) if callable(size) else size) if group is not None else 1
+        if group is None or limit <= 1:
             out.append([k])
             continue
         unit = filling.get(group)
-        if unit is None or len(unit) >= size:
+        if unit is None or len(unit) >= limit:
             unit = filling[group] = []
             out.append(unit)
         unit.append(k)
@@ -67,12 +72,14 @@ class StreamingExecutor:
     """Runs a job's work items in plan order: reads one ahead, computes here, delivers one behind; ``batch``: up to
     that many same-shape spectral layers computed together (see the module docstring)."""
 
-    def __init__(self, batch: int = 1) -> None:
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+    def __init__(self, batch: BatchSize = 1) -> None:
+        if not callable(batch) and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
             raise ValueError(f"batch must be a whole number of at least 1, got {batch!r}")
         self.batch = batch
 
     def describe(self) -> dict[str, Any]:
+        if callable(self.batch):
+            return {"name": "local", "batch": "by the device plan"}
         return {"name": "local", **({"batch": self.batch} if self.batch > 1 else {})}
 
     def run(self, job: Job, *, progress: bool = True) -> list[TensorReport]:

@@ -89,6 +89,13 @@ class ModelJob:
         self.items = work_items(plan, options.compute_dtype.itemsize, block_bytes)
         self.fsync, self.layers, self.block_bytes = fsync, layers or {}, block_bytes
         self.recipe, self.shards = recipe, shards
+        self.on_cpu: frozenset[str] = frozenset()  # tensors a device plan computes on the CPU (they do not fit)
+
+    def _options(self, item: WorkItem) -> ComputeOptions:
+        """Where ``item`` is computed: the job's device, or the CPU for a tensor the device plan sends there."""
+        if item.name in self.on_cpu:
+            return dataclasses.replace(self.options, device=torch.device("cpu"))
+        return self.options
 
     def costs(self, *, probe: bool = True) -> list[ItemCost]:
         """The cost model's estimate of every item, in order
@@ -117,7 +124,7 @@ class ModelJob:
         return read_inputs(item, self.base, self.experts)
 
     def compute(self, item: WorkItem, inputs: Inputs) -> Outcome:
-        o = self.options
+        o = self._options(item)
         layer = self._layer(item)
         if layer is not None:
             try:
@@ -151,7 +158,9 @@ class ModelJob:
         entry = item.entry
         if item.rows is not None or entry.action != "merge" or entry.stacked or len(entry.shape) != 2:
             return None
-        if self.options.expert_weights is not None or item.name in self.layers or not get_method(entry.method).spectral:
+        if self.options.expert_weights is not None or item.name in self.layers or item.name in self.on_cpu:
+            return None
+        if not get_method(entry.method).spectral:
             return None
         return (entry.method, repr(sorted(entry.params.items())), entry.shape, entry.transposed, entry.out_dtype)
 
