@@ -38,6 +38,7 @@ the same merge with that code first, in a child process (only ``merge`` timed), 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -53,7 +54,7 @@ from specmerge.linalg import eigensolver, projection, solve, spectrum
 from specmerge.methods import get_method
 from specmerge_bench.inputs import Parser, fail, model_family, model_folder
 from specmerge_bench.speed import best_seconds as best
-from specmerge_bench.speed import synthetic_stack
+from specmerge_bench.speed import cpu_name, synthetic_stack
 
 SHAPES = [(8, d_out, d_in, noise) for noise in (0.2, 0.01) for d_out, d_in in ((768, 768), (3072, 768), (768, 3072))]
 LARGE = [(4, 3072, 8192, 0.2), (4, 3072, 8192, 0.01)]  # dense noise (psqrt K near 1000), small (K near 300)
@@ -167,15 +168,19 @@ def accuracy_cells(stack: torch.Tensor, merged: torch.Tensor, kept: int, refined
     return [f"{float(ours):.1e}", f"{float(theirs):.1e}", f"{float(ours / theirs):.2f}", ks, svd]
 
 
-def layer_row(name: str, stack: torch.Tensor, repeats: int, accuracy: bool = False) -> str:
+def layer_row(name: str, stack: torch.Tensor, repeats: int, accuracy: bool = False) -> tuple[str, dict]:
+    """The layer's markdown row, and its figures for --json."""
     device = stack.device
     t_c, t_d, t_eigh, t_values = floor_parts(stack, repeats)
     floor = t_c + t_d + t_eigh
+    record = {"layer": name, "shape": list(stack.shape), "C": t_c, "D": t_d, "eigh": t_eigh, "eigvalsh": t_values,
+              "floor": floor}  # fmt: skip
     cells = [name, f"{t_c:.2f}", f"{t_d:.2f}", f"{t_eigh:.2f}", f"{t_values:.2f}", f"{floor:.2f}"]
     for method, params in METHODS:
         with counting_refinements() as refined:
             seconds, result = best(lambda m=method, p=params: get_method(m)(stack, **p), repeats, device)
         kept = int(result.diagnostics["kept_rank"])
+        record[method] = {"seconds": seconds, "kept": kept, "refined": refined[0] > 0}
         cells += [f"{seconds:.2f}", f"{seconds / floor:.2f}", str(kept)]
         if method == "swudi_a":
             with b_route_only():
@@ -185,7 +190,8 @@ def layer_row(name: str, stack: torch.Tensor, repeats: int, accuracy: bool = Fal
                 cells += [float64_check(stack, result.delta, kept) if max(stack.shape[1:]) <= CHECKED_WIDTH else ""]
             elif accuracy:
                 cells += accuracy_cells(stack, result.delta, kept, refined[0] > 0)
-    return "| " + " | ".join(cells) + " |"
+                record["accuracy"] = cells[-5:]
+    return "| " + " | ".join(cells) + " |", record
 
 
 def expert_stacks(parser: Parser, folder: Path, base: Path | None) -> list[tuple[str, torch.Tensor]]:
@@ -310,6 +316,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per step, the best kept (default 3)")
     parser.add_argument("--large", action="store_true",
                         help="add the 3072 x 8192 down_proj layer (N = 4) at noise 0.2 and 0.01")  # fmt: skip
+    parser.add_argument("--json", type=Path, help="also write each layer's figures to this file (a record)")
     parser.add_argument("--accuracy", action="store_true", help="on the CPU: add SWUDI-A's and a plain float32 "
                         "eigh merge's distance from SWUDI-A in float64, and their ratio")  # fmt: skip
     parser.add_argument("--qwen", action="store_true", help="add a 3584 x 18944 down_proj layer (N = 4)")
@@ -351,8 +358,14 @@ def main() -> None:
         print("| layer | C (GEMM) | D | eigh | eigvalsh | floor | SWUDI-A | / floor | K | SWUDI-A, B route |"
               f"{check} SWUDI r 0.65 | / floor | K |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
               f"{'---:|' * check.count('|')}---:|---:|---:|")  # fmt: skip
+        records = []
         for name, make in layers:
-            print(layer_row(name, make().to(device), args.repeats, args.accuracy), flush=True)
+            row, record = layer_row(name, make().to(device), args.repeats, args.accuracy)
+            print(row, flush=True)
+            records.append(record)
+            if args.json:  # after every layer: a long run keeps what it measured
+                run = {"torch": torch.__version__, "where": where, "cpu": cpu_name(), "repeats": args.repeats}
+                args.json.write_text(json.dumps({**run, "layers": records}, indent=1) + "\n")
         print()
     if args.models is not None:
         whole_model(args.models, parser, args.before_src)
