@@ -108,3 +108,33 @@ def test_a_nan_in_a_batched_layer_is_refused_as_without_batching(llama, tmp_path
         assert name in messages[-1]
     assert messages[0] == messages[1]
     assert not (tmp_path / "out1").exists()
+
+
+def test_inputs_are_staged_on_the_reader_thread_and_the_cpu_stages_nothing(llama, tmp_path, monkeypatch):
+    """The device pipeline's staging step (pinned buffers, copies on a side stream on a GPU) runs on the reader
+    thread, one unit ahead of the compute; on the CPU it returns the inputs as they are: the same files."""
+    import threading
+
+    from specmerge.pipeline.run import jobs
+    from specmerge.pipeline.run.work import Inputs, stage_inputs
+
+    inputs = Inputs(torch.ones(2), [])
+    assert stage_inputs(inputs, torch.device("cpu"), object()) is inputs
+    assert stage_inputs(inputs, torch.device("cuda"), None) is inputs  # no stream: in sequence
+    inputs.wait()  # nothing to wait for
+    threads, stage = [], jobs.ModelJob.stage
+
+    def spy(self, item, read):
+        threads.append(threading.current_thread().name)
+        staged = stage(self, item, read)
+        assert staged is read
+        return staged
+
+    monkeypatch.setattr(jobs.ModelJob, "stage", spy)
+    base, experts = llama
+    options = {"method": "swudi_a", "shard_size": "8KB", "progress": False, "threads": 1}
+    staged = merge(base, experts, tmp_path / "staged", **options)
+    monkeypatch.setattr(jobs.ModelJob, "stage", stage)
+    plain = merge(base, experts, tmp_path / "plain", **options)
+    assert threads and all(name.startswith("specmerge-read") for name in threads)
+    assert_same_outputs(tmp_path / "plain", tmp_path / "staged", plain, staged)

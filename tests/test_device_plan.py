@@ -51,14 +51,14 @@ def test_each_batch_is_the_largest_that_fits_the_budget():
     plan = plan_device(LLAMA_3B, budget, H200)
     for g in plan.groups:
         steps = layer_steps(g.shape, 4, 2, True)
-        assert batch_peak(steps, g.batch, g.shape.d_in, 8) <= budget
-        assert g.batch == g.shape.count or batch_peak(steps, g.batch + 1, g.shape.d_in, 8) > budget
+        assert batch_peak(steps, g.batch, g.shape.d_in, 8, staged=True) <= budget
+        assert g.batch == g.shape.count or batch_peak(steps, g.batch + 1, g.shape.d_in, 8, staged=True) > budget
     assert plan.groups[1].batch > plan.groups[3].batch  # small k/v layers batch more than the wide down_proj
 
 
 def test_a_tight_budget_runs_layers_one_at_a_time_and_a_layer_that_cannot_fit_on_the_cpu():
     down = LLAMA_3B[3]
-    one = batch_peak(layer_steps(down, 4, 2, True), 1, down.d_in, 8)
+    one = batch_peak(layer_steps(down, 4, 2, True), 1, down.d_in, 8, staged=True)
     plan = plan_device([down], one, H200)
     assert plan.groups[0].batch == 1 and plan.groups[0].peak == one
     plan = plan_device([down], one - 1, H200)

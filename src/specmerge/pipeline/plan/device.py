@@ -10,14 +10,16 @@ compute dtype of e bytes, C and its eigenvectors in float64 where the device dec
   eigenvalues, and once per batch the workspace of the symmetric divide-and-conquer eigensolver, (1 + 6 d + 2 d^2)
   entries and (3 + 5 d) integers (LAPACK's ``?syevd``; cuSOLVER's ``syevd`` asks for no more);
 - **solve**, one layer at a time: the start, B, the columns B Q, the update, the merged tensor and the base on the
-  device, and the float64 arrays of the per-direction round-off test.
+  device, and the float64 arrays of the per-direction round-off test;
+- **staged**: the next batch's inputs, copied to the device while this batch computes (the executor's reader
+  thread, :func:`~specmerge.pipeline.run.work.stage_inputs`).
 
-A batch of B layers of one shape (:func:`~specmerge.pipeline.run.compute.merge_spectral_batch`) holds B x held and
-the larger of B x eigh plus one workspace and one solve (:func:`batch_peak`; on the CPU, where the same code runs,
-``tests/test_device_plan.py`` holds this against the resident set a batch really reaches). :func:`plan_device`
-gives each group of same-shape layers the largest batch (at most MAX_BATCH) whose peak fits the budget; a layer whose
-peak alone does not fit is computed on the CPU, and the merge says so for that layer. Other tensors (averages, kept
-tensors, elementwise methods) are small next to these and stream through one at a time.
+A batch of B layers of one shape (:func:`~specmerge.pipeline.run.compute.merge_spectral_batch`) holds B x held, B x
+staged, and the larger of B x eigh plus one workspace and one solve (:func:`batch_peak`; on the CPU, where the same
+code runs, ``tests/test_device_plan.py`` holds this against the resident set a batch really reaches).
+:func:`plan_device` gives each group of same-shape layers the largest batch (at most MAX_BATCH) whose peak fits the
+budget; a layer whose peak alone does not fit is computed on the CPU, and the merge says so for that layer. Other
+tensors (averages, kept tensors, elementwise methods) are small next to these and stream through one at a time.
 
 Time per layer: the GEMM that forms C (2 N d_out d_in^2 flops, in float64 where the spectrum is), D and the solve
 (about 4 N d_out d_in^2 flops in e), the eigendecomposition (interpolated in log-log between the sizes measured on
@@ -151,13 +153,16 @@ def layer_steps(shape: LayerShape, itemsize: int, out_itemsize: int, float64: bo
         "held": n * x * itemsize + c + kept_vectors + d_with_c + x * out_itemsize + (x * 8 if float64 else 0),
         "eigh": 2 * c + d_in * spectral,
         "solve": 6 * x * itemsize + d_out * m * itemsize + ROUNDING_ARRAYS * min(ROUNDING_CHUNK, m) * m * 8,
+        "staged": (n + 1) * x * itemsize,  # the next batch's inputs on the device, at most in the compute dtype
     }
 
 
-def batch_peak(steps: dict[str, int], batch: int, d_in: int, itemsize: int) -> int:
+def batch_peak(steps: dict[str, int], batch: int, d_in: int, itemsize: int, *, staged: bool = False) -> int:
     """Device bytes of a batch of ``batch`` layers: every layer's ``held`` bytes, and the larger of the batched
-    decomposition (each layer's ``eigh`` bytes and one workspace) and one layer's solve."""
-    return batch * steps["held"] + max(batch * steps["eigh"] + eigh_workspace(d_in, itemsize), steps["solve"])
+    decomposition (each layer's ``eigh`` bytes and one workspace) and one layer's solve; with ``staged`` (a CUDA
+    merge), also the next batch's inputs, copied to the device while this one computes."""
+    ahead = batch * steps["staged"] if staged else 0
+    return batch * steps["held"] + ahead + max(batch * steps["eigh"] + eigh_workspace(d_in, itemsize), steps["solve"])
 
 
 @dataclass(frozen=True)
@@ -258,10 +263,10 @@ def plan_device(
     for shape in shapes:
         steps = layer_steps(shape, itemsize, out_itemsize, float64)
         batch = min(shape.count, max_batch)
-        while batch and batch_peak(steps, batch, shape.d_in, spectral) > budget:
+        while batch and batch_peak(steps, batch, shape.d_in, spectral, staged=True) > budget:
             batch -= 1
         seconds = shape.count * layer_seconds(shape, rates, itemsize, float64) if batch else 0.0
-        peak = batch_peak(steps, max(batch, 1), shape.d_in, spectral)
+        peak = batch_peak(steps, max(batch, 1), shape.d_in, spectral, staged=True)
         workspace = eigh_workspace(shape.d_in, spectral)
         groups.append(GroupPlan(shape, batch, peak, seconds, {**steps, "eigh workspace": workspace}))
     return DevicePlan(device, budget, budget_from, rates, tuple(groups))

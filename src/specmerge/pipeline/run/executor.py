@@ -12,6 +12,11 @@ key (one spectral method, parameters and shape) are read and computed together, 
 decompositions in one batched eigh (:func:`~specmerge.pipeline.run.compute.merge_spectral_batch`): a unit is placed
 at its first item's position, and the items it takes from later in the plan leave theirs. The output is the same
 bits; memory holds two units' inputs and one unit's compute.
+
+On a CUDA device the reader thread also stages each item's inputs (``job.stage``: through pinned host memory, copied
+on a side stream, :func:`~specmerge.pipeline.run.work.stage_inputs`), and the compute stream waits for them: the
+copies of the next unit overlap the compute of this one. On the CPU staging does nothing: the same code, with the
+stages in sequence.
 """
 
 from __future__ import annotations
@@ -107,11 +112,16 @@ class StreamingExecutor:
             key = getattr(job, "batch_key", None)
             plan = units(job.items, key, self.batch) if key is not None else [[k] for k in range(len(job.items))]
 
+            stage = getattr(job, "stage", None)  # inputs copied to the device here, on the reader thread
+
             def read(unit: list[int]) -> list[Inputs]:
-                return [job.read(job.items[k]) for k in unit]
+                read = [job.read(job.items[k]) for k in unit]
+                return read if stage is None else [stage(job.items[k], x) for k, x in zip(unit, read, strict=True)]
 
             for unit, inputs in prefetched(plan, read):
                 items = [job.items[k] for k in unit]
+                for staged in inputs:
+                    staged.wait()  # the compute stream waits for this unit's copies (none on the CPU)
                 start = time.perf_counter()
                 outcomes = job.compute_batch(items, inputs) if len(unit) > 1 else [job.compute(items[0], inputs[0])]
                 seconds = (time.perf_counter() - start) / len(unit)  # a unit's time, shared by its items

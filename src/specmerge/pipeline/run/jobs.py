@@ -41,7 +41,7 @@ from specmerge.pipeline.run.compute import (
     resolve_device,
 )
 from specmerge.pipeline.run.finite import NonFiniteInput, locate_nonfinite
-from specmerge.pipeline.run.work import Inputs, Outcome, Progress, WorkItem, read_inputs, work_items
+from specmerge.pipeline.run.work import Inputs, Outcome, Progress, WorkItem, read_inputs, stage_inputs, work_items
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,18 @@ class ModelJob:
         self.fsync, self.layers, self.block_bytes = fsync, layers or {}, block_bytes
         self.recipe, self.shards = recipe, shards
         self.on_cpu: frozenset[str] = frozenset()  # tensors a device plan computes on the CPU (they do not fit)
+        self._stream: Any = None  # the CUDA side stream inputs are staged on (stage)
+
+    def stage(self, item: WorkItem, inputs: Inputs) -> Inputs:
+        """On a CUDA device, ``inputs`` copied there on a side stream
+        (:func:`~specmerge.pipeline.run.work.stage_inputs`) for an item merged or averaged on the device; as they are
+        otherwise (the CPU, a kept tensor, a tensor the device plan sends to the CPU)."""
+        device = self.options.device
+        if device.type != "cuda" or item.entry.action == "keep_base" or item.name in self.on_cpu:
+            return inputs
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return stage_inputs(inputs, device, self._stream)
 
     def _options(self, item: WorkItem) -> ComputeOptions:
         """Where ``item`` is computed: the job's device, or the CPU for a tensor the device plan sends there."""

@@ -30,7 +30,7 @@ import torch
 
 from specmerge.io.formats.protocol import Rows, TensorSource, row_ranges
 from specmerge.io.views.experts import Expert
-from specmerge.io.views.task_vectors import TaskVector
+from specmerge.io.views.task_vectors import Dense, TaskVector
 from specmerge.methods import get_method
 from specmerge.pipeline.plan.rules import TensorPlan
 
@@ -79,10 +79,36 @@ def work_items(plan: Sequence[TensorPlan], itemsize: int, block_bytes: int | Non
 @dataclass
 class Inputs:
     """What one work item reads: the base's tensor (None when the job does not read the base) and, unless the
-    entry keeps the base, each expert's value, in expert order."""
+    entry keeps the base, each expert's value, in expert order. ``ready``: staged on a device by another stream
+    (:func:`stage_inputs`), the event the compute stream waits for before using them (None: usable as they are)."""
 
     base: torch.Tensor | None
     values: list[TaskVector]
+    ready: Any = None
+
+    def wait(self) -> None:
+        """Make the current (compute) stream wait until the staging copies are done."""
+        if self.ready is not None:
+            torch.cuda.current_stream(self.ready.device).wait_event(self.ready)
+
+
+def stage_inputs(inputs: Inputs, device: torch.device, stream: Any) -> Inputs:
+    """The inputs copied to ``device`` on ``stream`` (a CUDA side stream) through pinned host memory, so that the
+    copies of the next item overlap the compute of this one; the event recorded after them (``Inputs.ready``).
+    Only the base's tensor and full checkpoints' weights move (LoRA factors are small and go with their compute); on
+    the CPU, or with no stream, the inputs are returned as they are (the stages then run in sequence)."""
+    if device.type != "cuda" or stream is None:
+        return inputs
+    with torch.cuda.stream(stream):
+
+        def move(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.pin_memory().to(device, non_blocking=True)
+
+        base = None if inputs.base is None else move(inputs.base)
+        values = [Dense(move(v.weight)) if isinstance(v, Dense) else v for v in inputs.values]
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    return Inputs(base, values, ready)
 
 
 def read_inputs(item: WorkItem, base: TensorSource | None, experts: Sequence[Expert]) -> Inputs:
