@@ -176,13 +176,19 @@ def run_recipe(
 
 
 def executor_for(recipe: Recipe, threads: int | None = None) -> Executor:
-    """The executor a recipe names: ``local`` (:class:`~specmerge.pipeline.run.executor.StreamingExecutor`) or ``ray``
-    (:class:`~specmerge.pipeline.run.ray_executor.RayExecutor` at the recipe's ``address``, each task asking for
-    ``threads`` CPUs, default 1; Ray must be installed)."""
+    """The executor a recipe names: ``local`` (:class:`~specmerge.pipeline.run.executor.StreamingExecutor`; with
+    ``device: cuda`` on a machine with several GPUs, :class:`~specmerge.pipeline.run.devices.DevicesExecutor` over all
+    of them) or ``ray`` (:class:`~specmerge.pipeline.run.ray_executor.RayExecutor` at the recipe's ``address``, each
+    task asking for ``threads`` CPUs, default 1; Ray must be installed)."""
     if recipe.executor == "ray":
         from specmerge.pipeline.run.ray_executor import RayExecutor
 
         return RayExecutor(recipe.address, cpus_per_task=threads or 1, threads=threads)
+    several = recipe.device == "cuda" and torch.cuda.is_available() and torch.cuda.device_count() > 1
+    if several and recipe.output_format == "model":
+        from specmerge.pipeline.run.devices import DevicesExecutor  # every GPU of this machine, in this process
+
+        return DevicesExecutor([torch.device("cuda", i) for i in range(torch.cuda.device_count())])
     return StreamingExecutor()
 
 

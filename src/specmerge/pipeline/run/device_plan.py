@@ -20,6 +20,7 @@ from specmerge.io.output.folder import OUTPUT_LOG
 from specmerge.pipeline.plan.device import DevicePlan, LayerShape, default_budget, known_device, plan_device
 from specmerge.pipeline.recipe.model import Recipe
 from specmerge.pipeline.recipe.values import parse_size
+from specmerge.pipeline.run.devices import DevicesExecutor
 from specmerge.pipeline.run.executor import StreamingExecutor
 from specmerge.pipeline.run.jobs import ModelJob
 
@@ -85,5 +86,5 @@ def apply(job: ModelJob, executor: Any, plan: DevicePlan, sizes: dict[Hashable, 
             f"{plan.budget / 2**30:.1f} GiB ({plan.budget_from}): computed on the CPU (raise --gpu-memory to keep "
             "it on the device)"
         )
-    if isinstance(executor, StreamingExecutor) and executor.batch == 1:
+    if isinstance(executor, StreamingExecutor | DevicesExecutor) and executor.batch == 1:
         executor.batch = lambda key: max(1, sizes.get(key, 1))

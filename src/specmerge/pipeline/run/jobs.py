@@ -10,6 +10,7 @@ A NaN or Inf in an input is reported naming the files that hold it
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -91,6 +92,13 @@ class ModelJob:
         self.recipe, self.shards = recipe, shards
         self.on_cpu: frozenset[str] = frozenset()  # tensors a device plan computes on the CPU (they do not fit)
         self._stream: Any = None  # the CUDA side stream inputs are staged on (stage)
+
+    def on_device(self, device: torch.device) -> ModelJob:
+        """This job computing on ``device``: a view sharing its inputs, plan and sink, with its own staging stream
+        (:class:`~specmerge.pipeline.run.devices.DevicesExecutor` gives one to each device)."""
+        view = copy.copy(self)
+        view.options, view._stream = dataclasses.replace(self.options, device=device), None
+        return view
 
     def stage(self, item: WorkItem, inputs: Inputs) -> Inputs:
         """On a CUDA device, ``inputs`` copied there on a side stream
