@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from specmerge.linalg import eigensolver, projection, solve, spectrum
+from specmerge.linalg import eigensolver, projection, ritz, solve
 from specmerge.methods import get_method
 from specmerge_bench.inputs import Parser, fail, model_family, model_folder
 from specmerge_bench.speed import best_seconds as best
@@ -135,7 +135,7 @@ def plain_swudi_a(stack: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 @contextlib.contextmanager
 def counting_refinements() -> Iterator[list[int]]:
-    """Counts the leading-K refinements (:func:`specmerge.linalg.spectrum.ritz_refined`) made inside the block."""
+    """Counts the leading-K refinements (:func:`specmerge.linalg.ritz.ritz_refined`) made inside the block."""
     refine, count = solve.ritz_refined, [0]
 
     def counted(*args, **kwargs):
@@ -159,11 +159,11 @@ def accuracy_cells(stack: torch.Tensor, merged: torch.Tensor, kept: int, refined
     ks = f"{kept} / {plain_kept} / {int(exact.diagnostics['kept_rank'])}"
     svd = ""
     if refined:
-        share, spectrum.RITZ_MAX_SHARE = spectrum.RITZ_MAX_SHARE, 0.0
+        share, ritz.RITZ_MAX_SHARE = ritz.RITZ_MAX_SHARE, 0.0
         try:
             seconds, before = best(lambda: get_method("swudi_a")(stack), 1)
         finally:
-            spectrum.RITZ_MAX_SHARE = share
+            ritz.RITZ_MAX_SHARE = share
         svd = f"{seconds:.2f} s, {float((before.delta.double() - exact.delta).norm() / exact.delta.norm()):.1e}"
     return [f"{float(ours):.1e}", f"{float(theirs):.1e}", f"{float(ours / theirs):.2f}", ks, svd]
 

@@ -10,7 +10,8 @@ Llama-70B's projections (hidden 8192, intermediate 28672, 8 key-value heads of 1
   H200's 141 GB less 10 %.
 - **CPU**: from a ``compute_floor.py --json`` record of this machine: per part of the floor of its 3072 x 8192 layer
   (C's GEMM, D, eigh), scaled to each 70B shape by its flops (C: N d_out d_in^2; D: N d_out d_in min(d_out, d_in);
-  eigh: d_in^3), times the ratio of SWUDI-A's measured time to that floor on the record's layer.
+  eigh: d_in^3), times the ratio of SWUDI-A's measured time to that floor on the record's layer (of the record's
+  3072 x 8192 rows, the one with the larger ratio).
 
 Reading and writing (5 x 140 GB in bf16, and the 140 GB output) are not included: they depend on the storage.
 """
@@ -40,7 +41,7 @@ def cpu_seconds(record: dict, d_out: int, d_in: int) -> tuple[float, str]:
     layers = [r for r in record["layers"] if r["shape"][1:] == [3072, 8192]]
     if not layers:
         fail("estimate_70b.py", "the record has no 3072 x 8192 layer: run compute_floor.py --large --json FILE")
-    ref = min(layers, key=lambda r: r["swudi_a"]["seconds"] / r["floor"])  # the noise-0.2 row when both are there
+    ref = max(layers, key=lambda r: r["swudi_a"]["seconds"] / r["floor"])  # the dearer row: an upper estimate
     n0, o0, i0 = ref["shape"]
     n = EXPERTS
     c = ref["C"] * (n * d_out * d_in * d_in) / (n0 * o0 * i0 * i0)

@@ -114,7 +114,7 @@ MEASURE = textwrap.dedent(
     from specmerge.io.views.task_vectors import Dense
     from specmerge.pipeline.plan.device import LayerShape, batch_peak, layer_steps
     from specmerge.pipeline.plan.rules import TensorPlan
-    from specmerge.pipeline.run.compute import merge_spectral_batch
+    from specmerge.pipeline.run.batched import merge_spectral_batch
 
     def status(key):
         with open("/proc/self/status") as f:

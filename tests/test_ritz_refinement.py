@@ -12,11 +12,13 @@ import math
 import pytest
 import torch
 
+import specmerge.linalg.ritz as ritz_module
 import specmerge.linalg.solve as solve_module
 import specmerge.linalg.spectrum as spectrum_module
 from specmerge.linalg.quadratic import normal_equation
+from specmerge.linalg.ritz import ritz_pays, ritz_refined
 from specmerge.linalg.solve import FreshLayer
-from specmerge.linalg.spectrum import decompose, ritz_pays, ritz_refined
+from specmerge.linalg.spectrum import decompose
 from specmerge.methods import get_method
 
 EPS = torch.finfo(torch.float32).eps
@@ -69,16 +71,16 @@ def test_a_cut_below_the_floor_is_refined_not_decomposed_again(monkeypatch, n, d
     tau = exact_rank_layer(n, d_out, d_in, rank, lowest)
     params = {"filter": "pinv", "rank": "ratio", "rank_ratio": rank / d_in}  # top-K with K = rank, h = 1
     exact = get_method("spectral_filter")(tau, **params).delta
-    ritz, svd = Count(solve_module.ritz_refined), Count(spectrum_module._singular_pairs)
+    ritz, svd = Count(solve_module.ritz_refined), Count(spectrum_module.singular_pairs)
     decompositions = Count(decompose)
     monkeypatch.setattr(solve_module, "ritz_refined", ritz)
-    monkeypatch.setattr(spectrum_module, "_singular_pairs", svd)
+    monkeypatch.setattr(spectrum_module, "singular_pairs", svd)
     monkeypatch.setattr(solve_module, "decompose", decompositions)
     refined = get_method("spectral_filter")(tau.float(), **params)
     assert refined.diagnostics["kept_rank"] == rank
     assert (ritz.calls, decompositions.calls) == (1, 1)  # one decomposition, refined; no SVD, no second reduction
     assert svd.calls == 0 or n * d_out < d_in  # (a wide layer's own route is the SVD)
-    monkeypatch.setattr(spectrum_module, "RITZ_MAX_SHARE", 0.0)  # the route before: the SVD of M
+    monkeypatch.setattr(ritz_module, "RITZ_MAX_SHARE", 0.0)  # the route before: the SVD of M
     by_svd = get_method("spectral_filter")(tau.float(), **params).delta
     plain = plain_top_k(tau.float(), rank)
     # as close to float64 as the SVD route (the float32 rounding of D, amplified by 1 / lambda_K, dominates both)

@@ -29,15 +29,8 @@ from specmerge.linalg.projection import (
     shared_update,
 )
 from specmerge.linalg.quadratic import NormalEquation, TauInit, initial_point, normal_equation
-from specmerge.linalg.spectrum import (
-    Spectrum,
-    choose_rank,
-    decompose,
-    directions,
-    prefix,
-    ritz_pays,
-    ritz_refined,
-)
+from specmerge.linalg.ritz import ritz_pays, ritz_refined
+from specmerge.linalg.spectrum import Spectrum, choose_rank, decompose, directions, prefix
 
 
 def _gains_and_dropped(spectrum: Spectrum, filt: Filter) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,7 +273,7 @@ class FreshLayer:
 def needs_accurate(spectrum: Spectrum, filt: Filter) -> bool:
     """Whether ``filt`` would invert, without bound, eigenvalues that this (eigh) spectrum does not resolve
     (pseudoinverse, small Tikhonov alpha, a top-K cut below the floor): the merge then takes an accurate spectrum,
-    the leading K refined by Rayleigh-Ritz through M for a top-K filter (:func:`~specmerge.linalg.spectrum.ritz_pays`),
+    the leading K refined by Rayleigh-Ritz through M for a top-K filter (:func:`~specmerge.linalg.ritz.ritz_pays`),
     else the SVD of M, which resolves them all."""
     return not spectrum.accurate and bool(_gains_and_dropped(spectrum, filt)[1].any())
 

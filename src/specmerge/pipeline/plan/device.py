@@ -14,7 +14,7 @@ compute dtype of e bytes, C and its eigenvectors in float64 where the device dec
 - **staged**: the next batch's inputs, copied to the device while this batch computes (the executor's reader
   thread, :func:`~specmerge.pipeline.run.work.stage_inputs`).
 
-A batch of B layers of one shape (:func:`~specmerge.pipeline.run.compute.merge_spectral_batch`) holds B x held, B x
+A batch of B layers of one shape (:func:`~specmerge.pipeline.run.batched.merge_spectral_batch`) holds B x held, B x
 staged, and the larger of B x eigh plus one workspace and one solve (:func:`batch_peak`; on the CPU, where the same
 code runs, ``tests/test_device_plan.py`` holds this against the resident set a batch really reaches).
 :func:`plan_device` gives each group of same-shape layers the largest batch (at most MAX_BATCH) whose peak fits the

@@ -15,7 +15,6 @@ help, and its flag is ``--field-name`` unless a :class:`~specmerge.pipeline.reci
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -57,6 +56,7 @@ from specmerge.pipeline.recipe.values import (
     dtype_name,
     override_shorthands,
     parse_size,
+    size_field,
 )
 
 # Output and compute dtypes a recipe may name.
@@ -153,12 +153,12 @@ class Recipe(BaseModel):
         default="float32", description="dtype of the merge's arithmetic"
     )
     device: Device = Field(default="cpu", description="cpu, cuda, cuda:N or auto (cuda when available)")
-    gpu_memory: Annotated[int | str | None, Flag(metavar="SIZE")] = Field(
+    gpu_memory: Annotated[int | str | None, BeforeValidator(size_field("gpu_memory")), Flag(metavar="SIZE")] = Field(
         default=None,
         description="device memory a merge on a GPU may use, e.g. 20GiB (default: the free memory less 10 %); "
         "spectral layers are batched to fit it, and a layer that cannot fit is computed on the CPU (said)",
     )
-    shard_size: Annotated[int | str, Flag(metavar="SIZE")] = Field(
+    shard_size: Annotated[int | str, BeforeValidator(size_field("shard_size")), Flag(metavar="SIZE")] = Field(
         default="5GB",
         description="largest output shard: bytes, or 500MB / 2GB (powers of 1000) / 1.5GiB (powers of 1024)",
     )
@@ -321,28 +321,6 @@ class Recipe(BaseModel):
             named = {"method": method.name} if override.method else {}
             completed.append(override.model_copy(update={"params": params, **named}))
         return completed
-
-    @field_validator("gpu_memory", mode="before")
-    @classmethod
-    def _gpu_memory(cls, value: Any) -> Any:
-        if value is None:
-            return value
-        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-            value = int(value)  # 8e10 from YAML
-        if not isinstance(value, int | str):
-            raise RecipeError(f"gpu_memory must be a number of bytes or a size such as '20GiB', got {value!r}")
-        parse_size(value, "gpu_memory")
-        return value
-
-    @field_validator("shard_size", mode="before")
-    @classmethod
-    def _shard_size(cls, value: Any) -> Any:
-        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-            value = int(value)  # 5e9 from YAML
-        if not isinstance(value, int | str):
-            raise RecipeError(f"shard_size must be a number of bytes or a size such as '5GB', got {value!r}")
-        parse_size(value)
-        return value
 
     @field_validator("max_rank", mode="before")
     @classmethod

@@ -14,8 +14,9 @@ that error messages name.
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -160,6 +161,23 @@ def override_shorthands(value: Any) -> Any:
     if not isinstance(value, list):
         return value
     return [parse_override(item, "override") if isinstance(item, str) else item for item in value]
+
+
+def size_field(what: str) -> Callable[[Any], Any]:
+    """A before-validator of a size setting (``shard_size``, ``gpu_memory``): None kept, a whole float from YAML
+    (5e9) as an int, a number of bytes or a size string checked by :func:`parse_size`; anything else refused."""
+
+    def check(value: Any) -> Any:
+        if value is None:
+            return value
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)  # 5e9 from YAML
+        if not isinstance(value, int | str):
+            raise RecipeError(f"{what} must be a number of bytes or a size such as '5GB', got {value!r}")
+        parse_size(value, what)
+        return value
+
+    return check
 
 
 def parse_size(value: int | str, what: str = "shard_size") -> int:

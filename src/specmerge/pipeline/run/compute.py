@@ -246,69 +246,6 @@ def merge_from_layer(
     return merged.to(dtype=entry.out_dtype).cpu(), diagnostics
 
 
-def batches_spectrally(entry: TensorPlan, values: Sequence[TaskVector], device: torch.device) -> bool:
-    """Whether ``entry`` can join a batch of :func:`merge_spectral_batch`: a whole 2-D weight (not an expert stack)
-    that a spectral method merges by the ``dense`` route, with no per-expert weights."""
-    if entry.action != "merge" or entry.stacked or len(entry.shape) != 2:
-        return False
-    method = get_method(entry.method)
-    if not method.spectral or method.weighting is not None or method.needs_base:
-        return False
-    return route(entry, [value.kind for value in values], device, chunked=False) == "dense"
-
-
-def merge_spectral_batch(
-    entries: Sequence[TensorPlan],
-    base_tensors: Sequence[torch.Tensor],
-    values: Sequence[Sequence[TaskVector]],
-    *,
-    device: torch.device,
-    compute_dtype: torch.dtype,
-) -> list[tuple[torch.Tensor, dict[str, Any]]]:
-    """:func:`merge_tensor` of several entries of one spectral method, parameters and shape
-    (:func:`batches_spectrally`), their symmetric eigendecompositions made by one batched ``eigh``
-    (:func:`~specmerge.linalg.spectrum.decompose_batch`): the same bits as one call per entry. Where the layers'
-    decompositions take another route (the SVD of M, the partial eigensolver), or an expert is zero everywhere in
-    one of them, each is decomposed alone, as :func:`merge_tensor` does. Holds every entry's stack, C and
-    eigenvectors at once: the caller sizes the batch (:mod:`specmerge.pipeline.plan.device`)."""
-    from specmerge.linalg.solve import FreshLayer
-    from specmerge.linalg.spectrum import decompose_batch
-    from specmerge.methods.spectral import kept_directions
-
-    method = get_method(entries[0].method)
-    layers, settings = [], []
-    for entry, base, vals in zip(entries, base_tensors, values, strict=True):
-        check_inputs(entry, base.to(device=device, dtype=compute_dtype), ())  # as merge_tensor, in its order
-        layers.append(FreshLayer(spectral_stack(entry, base, vals, device=device, compute_dtype=compute_dtype)))
-        settings.append(method.validate(entry.params, layers[-1].n_total))
-    kinds = [
-        "partial" if layer.wants_partial(kept_directions(method.name, params)) else "full"
-        for layer, params in zip(layers, settings, strict=True)
-    ]
-    decomposed = [k for k, layer in enumerate(layers) if layer.n_experts]  # a zero merge needs no spectrum
-    spectra = decompose_batch(
-        [layers[k].equation for k in decomposed], partial=[kinds[k] == "partial" for k in decomposed]
-    )
-    for k, spectrum in zip(decomposed, spectra or (), strict=False):
-        layers[k].give(kinds[k], spectrum)
-    batched = spectra is not None and len(decomposed) > 1
-    del spectra  # each layer holds its own
-    merged = []
-    for k, (entry, base, params) in enumerate(zip(entries, base_tensors, settings, strict=True)):
-        layer, layers[k] = layers[k], None  # freed once solved: its stack, C, spectrum and right-hand sides
-        result = method.fn(layer, **params, **method.fixed)
-        delta, diagnostics = result.delta, {**result.diagnostics, "route": "dense"}
-        if batched and layer.n_experts:
-            diagnostics["batch"] = len(decomposed)
-        if entry.transposed:
-            delta, diagnostics["layout"] = delta.T, CONV1D_LAYOUT
-        base_c = base.to(device=device, dtype=compute_dtype)
-        out = delta.add_(base_c) if delta.is_contiguous() else base_c.add_(delta)
-        merged.append((out.to(dtype=entry.out_dtype).cpu(), diagnostics))
-        del layer, result, delta, base_c, out
-    return merged
-
-
 def merge_tensor(
     entry: TensorPlan,
     base_tensor: torch.Tensor,

@@ -73,6 +73,8 @@ def plan_for(job: ModelJob, recipe: Recipe, device: torch.device | None) -> tupl
 
 def apply(job: ModelJob, executor: Any, plan: DevicePlan, sizes: dict[Hashable, int]) -> None:
     """Batch sizes for the streaming executor and the CPU for the layers that do not fit, each said on the console."""
+    if not plan.groups:  # no spectral layer: nothing to batch or to send to the CPU
+        return
     job.on_cpu = frozenset(name for name, _ in plan.cpu_layers())
     log = logging.getLogger(OUTPUT_LOG)
     batches = ", ".join(f"{g.shape.d_out}x{g.shape.d_in} by {g.batch}" for g in plan.groups if g.batch)

@@ -89,7 +89,7 @@ class DevicesExecutor:
                 if stage is not None:
                     inputs = [stage(item, x) for item, x in zip(items, inputs, strict=True)]
                 for staged in inputs:
-                    staged.wait()
+                    getattr(staged, "wait", lambda: None)()
                 start = time.perf_counter()
                 outcomes = view.compute_batch(items, inputs) if len(unit) > 1 else [view.compute(items[0], inputs[0])]
                 seconds = (time.perf_counter() - start) / len(unit)

@@ -9,7 +9,7 @@ its estimated seconds), the time elapsed and left, and the tensors finished.
 
 With ``batch`` > 1 (a job that can batch: :meth:`~specmerge.pipeline.run.jobs.ModelJob.batch_key`), items of the same
 key (one spectral method, parameters and shape) are read and computed together, up to ``batch`` at a time, their
-decompositions in one batched eigh (:func:`~specmerge.pipeline.run.compute.merge_spectral_batch`): a unit is placed
+decompositions in one batched eigh (:func:`~specmerge.pipeline.run.batched.merge_spectral_batch`): a unit is placed
 at its first item's position, and the items it takes from later in the plan leave theirs. The output is the same
 bits; memory holds two units' inputs and one unit's compute.
 
@@ -120,8 +120,8 @@ class StreamingExecutor:
 
             for unit, inputs in prefetched(plan, read):
                 items = [job.items[k] for k in unit]
-                for staged in inputs:
-                    staged.wait()  # the compute stream waits for this unit's copies (none on the CPU)
+                for staged in inputs:  # the compute stream waits for this unit's copies (none on the CPU)
+                    getattr(staged, "wait", lambda: None)()
                 start = time.perf_counter()
                 outcomes = job.compute_batch(items, inputs) if len(unit) > 1 else [job.compute(items[0], inputs[0])]
                 seconds = (time.perf_counter() - start) / len(unit)  # a unit's time, shared by its items

@@ -33,14 +33,8 @@ from specmerge.pipeline.estimate.cost import ItemCost, estimate_items
 from specmerge.pipeline.plan.prepare import prepare_merge
 from specmerge.pipeline.plan.rules import TensorPlan
 from specmerge.pipeline.recipe.model import Recipe
-from specmerge.pipeline.run.compute import (
-    batches_spectrally,
-    merge_adapter_tensor,
-    merge_from_layer,
-    merge_spectral_batch,
-    merge_tensor,
-    resolve_device,
-)
+from specmerge.pipeline.run.batched import batches_spectrally, merge_spectral_batch
+from specmerge.pipeline.run.compute import merge_adapter_tensor, merge_from_layer, merge_tensor, resolve_device
 from specmerge.pipeline.run.finite import NonFiniteInput, locate_nonfinite
 from specmerge.pipeline.run.work import Inputs, Outcome, Progress, WorkItem, read_inputs, stage_inputs, work_items
 
@@ -186,7 +180,7 @@ class ModelJob:
 
     def compute_batch(self, items: Sequence[WorkItem], inputs: Sequence[Inputs]) -> list[Outcome]:
         """:meth:`compute` of items of one :meth:`batch_key`, their decompositions batched
-        (:func:`~specmerge.pipeline.run.compute.merge_spectral_batch`) where every one takes the dense route: the same
+        (:func:`~specmerge.pipeline.run.batched.merge_spectral_batch`) where every one takes the dense route: the same
         outputs as one call per item. A NaN or Inf in an input is reported as :meth:`compute` reports it."""
         o = self.options
         if not all(batches_spectrally(i.entry, x.values, o.device) for i, x in zip(items, inputs, strict=True)):
