@@ -77,7 +77,7 @@ def test_a_cut_below_the_floor_is_refined_not_decomposed_again(monkeypatch, n, d
     monkeypatch.setattr(spectrum_module, "singular_pairs", svd)
     monkeypatch.setattr(solve_module, "decompose", decompositions)
     refined = get_method("spectral_filter")(tau.float(), **params)
-    assert refined.diagnostics["kept_rank"] == rank
+    assert refined.diagnostics["kept_rank"] == rank and refined.diagnostics["refined"]  # said in report.json
     assert (ritz.calls, decompositions.calls) == (1, 1)  # one decomposition, refined; no SVD, no second reduction
     assert svd.calls == 0 or n * d_out < d_in  # (a wide layer's own route is the SVD)
     monkeypatch.setattr(ritz_module, "RITZ_MAX_SHARE", 0.0)  # the route before: the SVD of M

@@ -310,7 +310,10 @@ def spectral_merge(
         p = layer.projection(tau_init, accurate=True, partial=partial, leading=k)
     gains = filt(p.spectrum.eigenvalues)
     tau_hat = solve(p, filt, k)
-    return scale * tau_hat, spectrum_diagnostics(layer.n_experts, p.spectrum, k, gains)
+    diagnostics = spectrum_diagnostics(layer.n_experts, p.spectrum, k, gains)
+    if p.spectrum.refined:  # the kept directions refined by Rayleigh-Ritz (a cut below eigh's floor)
+        diagnostics["refined"] = True
+    return scale * tau_hat, diagnostics
 
 
 _SHARED: ContextVar[dict | None] = ContextVar("specmerge_shared_decompositions", default=None)
