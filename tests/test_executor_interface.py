@@ -72,8 +72,24 @@ def output_files(folder: Path) -> dict[str, bytes]:
 
 
 def tensor_reports(report: dict) -> list[dict]:
-    """The report's per-tensor rows without their (schedule-dependent) seconds."""
-    return [{k: v for k, v in row.items() if k != "seconds"} for row in report["tensors"]]
+    """The report's per-tensor rows without what depends on the schedule: the seconds, and the size of the batch a
+    spectral layer was decomposed in (``diagnostics["batch"]``)."""
+    rows = []
+    for row in report["tensors"]:
+        row = {k: v for k, v in row.items() if k != "seconds"}
+        if "diagnostics" in row:
+            row["diagnostics"] = {k: v for k, v in row["diagnostics"].items() if k != "batch"}
+        rows.append(row)
+    return rows
+
+
+def merged_both_ways(base, experts, folder: Path, executor, **options) -> tuple[dict, dict]:
+    """The reports of one merge by the streaming executor (``folder/plain``) and by ``executor``
+    (``folder/other``), after checking that they wrote the same files and per-tensor reports."""
+    plain = merge(base, experts, folder / "plain", **options)
+    other = merge(base, experts, folder / "other", executor=executor, **options)
+    assert_same_outputs(folder / "plain", folder / "other", plain, other)
+    return plain, other
 
 
 def assert_same_outputs(streamed: Path, other: Path, streamed_report: dict, other_report: dict) -> None:

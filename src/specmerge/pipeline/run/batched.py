@@ -17,26 +17,21 @@ from typing import Any
 
 import torch
 
-from specmerge.io.formats.layout import CONV1D_LAYOUT
 from specmerge.io.views.task_vectors import TaskVector
 from specmerge.linalg.solve import FreshLayer
 from specmerge.linalg.spectrum import decompose_batch
 from specmerge.methods import get_method
 from specmerge.methods.spectral import kept_directions
 from specmerge.pipeline.plan.rules import TensorPlan
-from specmerge.pipeline.run.compute import route, spectral_stack
+from specmerge.pipeline.run.compute import route, solved_from_layer, spectral_batchable, spectral_stack
 from specmerge.pipeline.run.finite import check_inputs
 
 
 def batches_spectrally(entry: TensorPlan, values: Sequence[TaskVector], device: torch.device) -> bool:
-    """Whether ``entry`` can join a batch of :func:`merge_spectral_batch`: a whole 2-D weight (not an expert stack)
-    that a spectral method merges by the ``dense`` route, with no per-expert weights."""
-    if entry.action != "merge" or entry.stacked or len(entry.shape) != 2:
-        return False
-    method = get_method(entry.method)
-    if not method.spectral or method.weighting is not None or method.needs_base:
-        return False
-    return route(entry, [value.kind for value in values], device, chunked=False) == "dense"
+    """Whether ``entry`` can join a batch of :func:`merge_spectral_batch`: one the plan allows
+    (:func:`~specmerge.pipeline.run.compute.spectral_batchable`) whose values take the ``dense`` route."""
+    kinds = [value.kind for value in values]
+    return spectral_batchable(entry) and route(entry, kinds, device, chunked=False) == "dense"
 
 
 def merge_spectral_batch(
@@ -74,14 +69,10 @@ def merge_spectral_batch(
     merged = []
     for k, (entry, base, params) in enumerate(zip(entries, base_tensors, settings, strict=True)):
         layer, layers[k] = layers[k], None  # freed once solved: its stack, C, spectrum and right-hand sides
-        result = method.fn(layer, **params, **method.fixed)
-        delta, diagnostics = result.delta, {**result.diagnostics, "route": "dense"}
+        base_c = base.to(device=device, dtype=compute_dtype)
+        tensor, diagnostics = solved_from_layer(entry, base_c, layer, params, "dense")
         if batched and layer.n_experts:
             diagnostics["batch"] = len(decomposed)
-        if entry.transposed:
-            delta, diagnostics["layout"] = delta.T, CONV1D_LAYOUT
-        base_c = base.to(device=device, dtype=compute_dtype)
-        out = delta.add_(base_c) if delta.is_contiguous() else base_c.add_(delta)
-        merged.append((out.to(dtype=entry.out_dtype).cpu(), diagnostics))
-        del layer, result, delta, base_c, out
+        merged.append((tensor, diagnostics))
+        del layer, base_c
     return merged

@@ -235,15 +235,35 @@ def merge_from_layer(
     values (:func:`spectral_stack` of the same inputs, decomposed once): the same filter step on the same numbers, so
     the same bits, with no decomposition. Raises :class:`~specmerge.linalg.solve.ProjectionMissing` when the layer
     lacks what this setting needs (merge from the values then)."""
-    method = get_method(entry.method)
     base_c = base_tensor.to(device=device, dtype=compute_dtype)
     check_inputs(entry, base_c, ())
-    result = method.fn(layer, **method.validate(entry.params, layer.n_total), **method.fixed)
-    delta, diagnostics = result.delta, {**result.diagnostics, "route": "cached"}
+    params = get_method(entry.method).validate(entry.params, layer.n_total)
+    return solved_from_layer(entry, base_c, layer, params, "cached")
+
+
+def solved_from_layer(
+    entry: TensorPlan, base_c: torch.Tensor, layer: LayerProjections, params: dict[str, Any], route_name: str
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The merged tensor of a spectral method's entry from a layer's projections (stored, or fresh and decomposed
+    elsewhere): the method's filter step with its validated ``params``, in the stored layout, added to ``base_c`` (the
+    checked base in the compute dtype), in the output dtype on the CPU; ``route_name`` goes into the diagnostics."""
+    method = get_method(entry.method)
+    result = method.fn(layer, **params, **method.fixed)
+    delta, diagnostics = result.delta, {**result.diagnostics, "route": route_name}
     if entry.transposed:
         delta, diagnostics["layout"] = delta.T, CONV1D_LAYOUT
     merged = delta.add_(base_c) if delta.is_contiguous() else base_c.add_(delta)
     return merged.to(dtype=entry.out_dtype).cpu(), diagnostics
+
+
+def spectral_batchable(entry: TensorPlan) -> bool:
+    """Whether ``entry`` may join a batch of same-shape spectral layers
+    (:func:`~specmerge.pipeline.run.batched.merge_spectral_batch`), from the plan alone: a whole 2-D weight (not an
+    expert stack) that a spectral method merges, with no per-expert weights and without the base."""
+    if entry.action != "merge" or entry.stacked or len(entry.shape) != 2:
+        return False
+    method = get_method(entry.method)
+    return method.spectral and method.weighting is None and not method.needs_base
 
 
 def merge_tensor(

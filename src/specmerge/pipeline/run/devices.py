@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import heapq
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specmerge.pipeline.run.executor import BAR_FORMAT, BatchSize, units
+from specmerge.pipeline.run.executor import BAR_FORMAT, BatchSize, compute_unit, job_units, read_unit
 from specmerge.pipeline.run.threads import io_thread_setup
 from specmerge.pipeline.run.work import Job, ReportAccumulator, TensorReport
 
@@ -61,8 +60,7 @@ class DevicesExecutor:
     def run(self, job: Job, *, progress: bool = True) -> list[TensorReport]:
         if not hasattr(job, "on_device"):
             raise TypeError(f"{type(job).__name__} cannot run on several devices (it has no on_device)")
-        key = getattr(job, "batch_key", None)
-        plan = units(job.items, key, self.batch) if key is not None else [[k] for k in range(len(job.items))]
+        plan = job_units(job, self.batch)
         estimates = [cost.seconds for cost in job.costs(probe=False)]
         shares = balance([sum(estimates[k] for k in unit) for unit in plan], len(self.devices))
         self.assigned = [[job.items[k].name for u in share for k in plan[u]] for share in shares]
@@ -79,21 +77,12 @@ class DevicesExecutor:
         )  # fmt: skip
 
         def work(view: Any, share: list[int]) -> None:
-            stage = getattr(view, "stage", None)
             for u in share:
                 if failed.is_set():
                     return
                 unit = plan[u]
                 items = [job.items[k] for k in unit]
-                inputs = [view.read(item) for item in items]
-                if stage is not None:
-                    inputs = [stage(item, x) for item, x in zip(items, inputs, strict=True)]
-                for staged in inputs:
-                    getattr(staged, "wait", lambda: None)()
-                start = time.perf_counter()
-                outcomes = view.compute_batch(items, inputs) if len(unit) > 1 else [view.compute(items[0], inputs[0])]
-                seconds = (time.perf_counter() - start) / len(unit)
-                del inputs
+                outcomes, seconds = compute_unit(view, items, read_unit(view, unit))
                 with lock:
                     for k, item, outcome in zip(unit, items, outcomes, strict=True):
                         job.deliver(item, outcome.output)

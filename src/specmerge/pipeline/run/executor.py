@@ -60,6 +60,30 @@ def units(items: Sequence[WorkItem], key: Callable[[WorkItem], Hashable | None],
     return out
 
 
+def job_units(job: Job, batch: BatchSize) -> list[list[int]]:
+    """The units a job's items are computed in (:func:`units` by its ``batch_key``; one item each for a job that
+    cannot batch)."""
+    key = getattr(job, "batch_key", None)
+    return units(job.items, key, batch) if key is not None else [[k] for k in range(len(job.items))]
+
+
+def read_unit(job: Job, unit: Sequence[int]) -> list[Inputs]:
+    """The inputs of a unit's items, staged on the job's device where it stages them (``job.stage``)."""
+    inputs = [job.read(job.items[k]) for k in unit]
+    stage = getattr(job, "stage", None)
+    return inputs if stage is None else [stage(job.items[k], x) for k, x in zip(unit, inputs, strict=True)]
+
+
+def compute_unit(job: Job, items: Sequence[WorkItem], inputs: Sequence[Inputs]) -> tuple[list[Any], float]:
+    """A unit's outcomes (``job.compute_batch`` for several items) and the compute seconds each item is counted, the
+    unit's time shared by its items; the compute stream first waits for the unit's staged copies (none on the CPU)."""
+    for staged in inputs:
+        getattr(staged, "wait", lambda: None)()
+    start = time.perf_counter()
+    outcomes = job.compute_batch(items, inputs) if len(items) > 1 else [job.compute(items[0], inputs[0])]
+    return outcomes, (time.perf_counter() - start) / len(items)
+
+
 def prefetched(items: Sequence[T], read: Callable[[T], R]) -> Iterator[tuple[T, R]]:
     """Yield ``(item, read(item))`` in order, reading item k + 1 on a reader thread while the caller works on k."""
     if not items:
@@ -109,22 +133,10 @@ class StreamingExecutor:
             ) as bar,
             ThreadPoolExecutor(1, thread_name_prefix="specmerge-write", initializer=io_thread_setup) as writer,
         ):
-            key = getattr(job, "batch_key", None)
-            plan = units(job.items, key, self.batch) if key is not None else [[k] for k in range(len(job.items))]
-
-            stage = getattr(job, "stage", None)  # inputs copied to the device here, on the reader thread
-
-            def read(unit: list[int]) -> list[Inputs]:
-                read = [job.read(job.items[k]) for k in unit]
-                return read if stage is None else [stage(job.items[k], x) for k, x in zip(unit, read, strict=True)]
-
-            for unit, inputs in prefetched(plan, read):
+            # a unit's inputs are read, and staged on the device, on the reader thread
+            for unit, inputs in prefetched(job_units(job, self.batch), lambda unit: read_unit(job, unit)):
                 items = [job.items[k] for k in unit]
-                for staged in inputs:  # the compute stream waits for this unit's copies (none on the CPU)
-                    getattr(staged, "wait", lambda: None)()
-                start = time.perf_counter()
-                outcomes = job.compute_batch(items, inputs) if len(unit) > 1 else [job.compute(items[0], inputs[0])]
-                seconds = (time.perf_counter() - start) / len(unit)  # a unit's time, shared by its items
+                outcomes, seconds = compute_unit(job, items, inputs)
                 del inputs
                 for k, item, outcome in zip(unit, items, outcomes, strict=True):
                     if writing is not None:

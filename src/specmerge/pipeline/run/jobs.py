@@ -34,7 +34,13 @@ from specmerge.pipeline.plan.prepare import prepare_merge
 from specmerge.pipeline.plan.rules import TensorPlan
 from specmerge.pipeline.recipe.model import Recipe
 from specmerge.pipeline.run.batched import batches_spectrally, merge_spectral_batch
-from specmerge.pipeline.run.compute import merge_adapter_tensor, merge_from_layer, merge_tensor, resolve_device
+from specmerge.pipeline.run.compute import (
+    merge_adapter_tensor,
+    merge_from_layer,
+    merge_tensor,
+    resolve_device,
+    spectral_batchable,
+)
 from specmerge.pipeline.run.finite import NonFiniteInput, locate_nonfinite
 from specmerge.pipeline.run.work import Inputs, Outcome, Progress, WorkItem, read_inputs, stage_inputs, work_items
 
@@ -170,11 +176,9 @@ class ModelJob:
         method merges with the same parameters, shape, layout and output dtype, with no stored projections and no
         per-expert weights; None: computed alone."""
         entry = item.entry
-        if item.rows is not None or entry.action != "merge" or entry.stacked or len(entry.shape) != 2:
+        if item.rows is not None or not spectral_batchable(entry) or self.options.expert_weights is not None:
             return None
-        if self.options.expert_weights is not None or item.name in self.layers or item.name in self.on_cpu:
-            return None
-        if not get_method(entry.method).spectral:
+        if item.name in self.layers or item.name in self.on_cpu:
             return None
         return (entry.method, repr(sorted(entry.params.items())), entry.shape, entry.transposed, entry.out_dtype)
 
