@@ -270,7 +270,10 @@ def test_command_line_end_to_end(family, tmp_path, capsys):
     assert main([*argv, "-q", "--batch-size", "2"]) == 0
     assert "adamerge: mean entropy" in capsys.readouterr().out
     report = json.loads((out / "adamerge.json").read_text())
-    assert report["settings"]["batch_size"] == 2 and report["batches"] == 2
+    assert report["settings"]["batch_size"] == 2 and report["batches"] == 2 and report["settings"]["device"] == "cpu"
+    if not torch.cuda.is_available():  # auto is this CPU: the same run, the same bits
+        assert main([*argv, "-q", "--batch-size", "2", "--device", "auto", "-o", str(tmp_path / "auto")]) == 0
+        assert hashes(tmp_path / "auto") | {"adamerge.json": ""} == hashes(out) | {"adamerge.json": ""}
     assert main([*argv, "-q"]) == 2
     err = capsys.readouterr().err
     assert "already exists" in err and err.count("\n") == 1
@@ -308,7 +311,10 @@ def test_bad_data_and_settings_are_one_line(family, tmp_path, capsys):
         "steps must be": ["--steps", "-1"],
         "lr must be": ["--lr", "0"],
         "batch_size must be": ["--batch-size", "0"],
+        "device 'gpu' is not one of": ["--device", "gpu"],
     }
+    if not torch.cuda.is_available():
+        cases["no CUDA device"] = ["--device", "cuda"]
     for expected, typed in cases.items():
         argv = ["adamerge", str(base), str(merged), "-o", str(tmp_path / "out"), "--data", str(root / "ids.jsonl")]
         assert main([*argv, *typed, "-q"]) == 2, expected

@@ -35,6 +35,7 @@ def adamerge_command(args: argparse.Namespace) -> int:
             seed=args.seed,
             overwrite=args.overwrite,
             progress=not args.quiet,
+            device=args.device,
         )
     print(
         f"adamerge: mean entropy {report['entropy_start']:.4f} -> {report['entropy_end']:.4f} in "
@@ -89,6 +90,13 @@ def configure(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, metavar="N", default=8, help="inputs per batch (default 8)")
     p.add_argument("--max-length", type=int, metavar="N", default=128, help="tokens kept of each input (default 128)")
     p.add_argument("--seed", type=int, metavar="N", default=0, help="seed of the batch order (default 0)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        metavar="DEV",
+        help="where the model runs and the coefficients learn: cpu (default), cuda, cuda:N, auto (a GPU when there "
+        "is one)",
+    )
     p.add_argument(
         "--overwrite", action="store_true", help="replace an existing folder that specmerge wrote (or an empty one)"
     )

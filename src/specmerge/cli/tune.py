@@ -29,6 +29,8 @@ def tune_command(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         batch=args.batch,
         reuse_products=args.reuse_products,
+        device=args.device,
+        gpu_memory=args.gpu_memory,
         log=(lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr)),
     )
     best = result.best
@@ -77,6 +79,17 @@ def configure(sub: argparse._SubParsersAction) -> None:
         help="within a pass, spectral settings that keep nested sets of directions (SWUDI at several r) build each "
         "filter product on the previous one: several times faster on a CPU, equal to specmerge merge to float32 "
         "rounding instead of bit for bit",
+    )
+    p.add_argument(
+        "--device",
+        metavar="DEV",
+        help="compute on this device instead of the recipe's: cpu, cuda, cuda:N, auto (see docs/gpu.md)",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        help="device memory the tune may use on a GPU, e.g. 20GiB (default: the free memory less 10 %%); the spectral "
+        "cache stays on the device when it takes at most half of it",
     )
     p.add_argument("--timeout", type=float, help="stop if one evaluation runs longer than this many seconds")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or notes")

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from specmerge.errors import RecipeError, SpecmergeError
 from specmerge.pipeline.recipe.layered import layer_positions
 from specmerge.tuning.adamerge_io import (
+    adamerge_device,
     adamerge_report,
     changed_tensors,
     check_data_settings,
@@ -358,6 +359,7 @@ def adamerge(
     seed: int = 0,
     overwrite: bool = False,
     progress: bool = True,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """AdaMerging on the merge ``merged`` (a model folder) of ``base``: write the adapted model to the new folder
     ``output``, with ``adamerge.json``; return that report.
@@ -367,16 +369,20 @@ def adamerge(
     as ``AutoModelForCausalLM`` and minimises the next-token entropy, "classification" as
     ``AutoModelForSequenceClassification`` and minimises the entropy of the head's classes. ``experts`` (model
     folders) add per-expert coefficients. The rest as :func:`adamerge_coefficients`; texts are cut at
-    ``max_length`` tokens and batched by ``batch_size``. Nothing is written unless all succeeds.
+    ``max_length`` tokens and batched by ``batch_size``. ``device`` (cpu, cuda, cuda:N, auto) runs the model and
+    the coefficients' weights there (on a GPU it holds the model, and the merged, base and expert weights of the
+    changed tensors); the adapted weights are computed and written from the CPU copies, the same on any device to
+    float rounding. Nothing is written unless all succeeds.
     """
     started = time.perf_counter()
     _check_settings(steps, lr)
+    on = adamerge_device(device)
     check_data_settings(task, batch_size, max_length)
     output, experts = Path(output), list(experts or [])
     examples = read_examples(data) if is_data_file(data) else None  # a bad data file is refused before any tensor
     with ExitStack() as stack:
         folders = open_folders(stack, base, merged, experts, output, overwrite, data)
-        model = load_model(folders.merged_path, task)
+        model = load_model(folders.merged_path, task).to(on)
         states = [folders.state(k) for k in range(len(folders.sources))]
         refuse_model_mismatch(model, states[1], task)
         if examples is None:
@@ -387,7 +393,8 @@ def adamerge(
             model, states[0], states[1], batches, experts=states[2:], steps=steps, lr=lr, seed=seed, progress=progress
         )
         names = input_names(folders, output, data)
-        settings = {"task": task, "steps": steps, "lr": lr, "batch_size": batch_size, "max_length": max_length}
+        settings = {"task": task, "steps": steps, "lr": lr, "batch_size": batch_size, "max_length": max_length,
+                    "device": str(on)}  # fmt: skip
         report = adamerge_report(result, names, {**settings, "seed": seed}, len(batches), started)
         write_adamerged(output, overwrite, folders, result.state(states[0], states[1], states[2:]), report)
     return report

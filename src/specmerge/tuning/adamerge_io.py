@@ -30,6 +30,8 @@ from specmerge.io.output.model_files import copy_config_files, copy_tokenizer_fi
 from specmerge.io.output.tokenizers import read_tokenizer, transformers_module
 from specmerge.io.output.writer import ShardWriter
 from specmerge.pipeline.inputs.open import portable_spec, refuse_output_inside_inputs
+from specmerge.pipeline.recipe.values import check_device
+from specmerge.pipeline.run.compute import resolve_device
 from specmerge.version import __version__
 
 TASKS = {"causal-lm": "AutoModelForCausalLM", "classification": "AutoModelForSequenceClassification"}
@@ -44,6 +46,15 @@ def check_data_settings(task: str, batch_size: int, max_length: int) -> None:
     for key, value in (("batch_size", batch_size), ("max_length", max_length)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise RecipeError(f"{key} must be a whole number >= 1, got {value!r}", (key,))
+
+
+def adamerge_device(device: str) -> torch.device:
+    """The device AdaMerging runs on, or a one-line error (a name no recipe takes, or CUDA asked for and absent)."""
+    check_device(device)
+    try:
+        return resolve_device(device)
+    except ValueError as err:
+        raise RecipeError(str(err), ("device",)) from None
 
 
 def is_data_file(data: Any) -> bool:

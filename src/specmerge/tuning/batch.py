@@ -1,4 +1,5 @@
-"""Several settings of one recipe merged in one pass over the inputs, each written to its own model folder.
+"""Several settings of one recipe merged in one pass over the inputs, each written to its own model folder (or, for
+a tune whose evaluation takes the model in memory, kept as a state dict: :func:`merge_in_memory`).
 
 A tune's settings differ only in method parameters, so their plans name the same tensors with the same actions:
 :func:`run_settings` reads each tensor once (the base's, and the experts' where a tensor is not served by the
@@ -6,6 +7,8 @@ spectral cache), computes it once per distinct setting of that tensor (an averag
 setting: computed once, written to each), and writes the outputs on parallel writer threads. Every output is the
 model ``run_recipe`` writes for that setting (the same shards, config, tokenizer, ``recipe.yaml``, ``report.json``
 and card, the same bits: ``tests/test_tune.py``), in a folder renamed into place only when complete.
+:func:`merge_in_memory` runs the same job with the tensors collected instead of written: each state dict holds the
+tensors, bit for bit, that ``run_recipe`` writes in that setting's shards.
 """
 
 from __future__ import annotations
@@ -21,16 +24,19 @@ from typing import Any
 
 import torch
 
+from specmerge.errors import RecipeError
 from specmerge.io.output.folder import atomic_directory, check_output
 from specmerge.linalg.projection import Projection
 from specmerge.linalg.solve import Kept, LayerProjections, ProjectionMissing
 from specmerge.pipeline.inputs.open import refuse_output_inside_inputs
-from specmerge.pipeline.plan.prepare import prepare_merge
+from specmerge.pipeline.plan.prepare import PreparedMerge, prepare_merge
 from specmerge.pipeline.plan.rules import TensorPlan
 from specmerge.pipeline.recipe.model import Recipe
 from specmerge.pipeline.run.api import model_files, record_output, shard_writer
 from specmerge.pipeline.run.executor import StreamingExecutor
 from specmerge.pipeline.run.jobs import ComputeOptions, ModelJob
+from specmerge.pipeline.run.memory import CollectedTensors
+from specmerge.pipeline.run.quantized_output import output_quantizer
 from specmerge.pipeline.run.threads import merge_threads
 from specmerge.pipeline.run.work import Inputs, Outcome, ReportAccumulator, WorkItem
 
@@ -146,13 +152,15 @@ def run_settings(
     progress: bool = False,
     overwrite: bool = True,
     reuse: bool = False,
+    homes: Sequence[str | os.PathLike] | None = None,
 ) -> list[dict]:
     """Merge ``recipes`` (one recipe at several settings of its parameters) into ``outputs`` in one pass; return each
     output's report. Raises :class:`NotBatchable` (before anything is written) when the plans differ beyond
     parameters. The outputs are not flushed to disk (a tune scores and removes them). ``reuse``: settings of a
     spectral layer that keep nested sets of directions at the same gains (SWUDI at several r) build each product on
     the previous one, which changes the order of a sum: equal to the separate merges to float32 rounding instead of
-    bit for bit, and on a CPU several times faster for a grid over r."""
+    bit for bit, and on a CPU several times faster for a grid over r. ``homes``: where each output will be used from
+    once moved (``run_recipe``'s ``home``; default the outputs themselves)."""
     outputs = [Path(o) for o in outputs]
     for recipe, output in zip(recipes, outputs, strict=True):
         refuse_output_inside_inputs(output, [recipe.base, *recipe.experts])
@@ -162,23 +170,90 @@ def run_settings(
     with ExitStack() as stack:
         used = stack.enter_context(merge_threads(threads))
         prepared = [prepare_merge(stack, r, o) for r, o in zip(recipes, outputs, strict=True)]
-        if any(p.recipe.output_format != "model" for p in prepared) or len({str(_shape(p.plan)) for p in prepared}) > 1:
-            raise NotBatchable("the settings' plans differ beyond method parameters: merge them one at a time")
+        refuse_unbatchable(prepared)
         folders = [
             stack.enter_context(atomic_directory(o, overwrite=overwrite, expected_bytes=p.summary["bytes"]))
             for o, p in zip(outputs, prepared, strict=True)
         ]
         with ExitStack() as writing:
             writers = [writing.enter_context(shard_writer(p, f, False)) for p, f in zip(prepared, folders, strict=True)]
-            plans = [p.plan for p in prepared]
-            job = SettingsJob(plans, prepared[0], [w.write for w in writers], options, layers, reuse)
-            try:
-                StreamingExecutor().run(job, progress=progress)
-            finally:
-                job.close()
+            job = _run_settings_job(prepared, [w.write for w in writers], options, layers, reuse, progress)
         extra = {"threads": used.threads, "threads_from": used.source, "merged_with_settings": len(recipes)}
         reports = []
-        for k, (p, folder, output) in enumerate(zip(prepared, folders, outputs, strict=True)):
+        named_from = outputs if homes is None else [Path(h) for h in homes]
+        for k, (p, folder, home) in enumerate(zip(prepared, folders, named_from, strict=True)):
             model_files(p, folder)
-            reports.append(record_output(p, folder, output, options, job.accumulators[k].reports(), extra, started))
+            reports.append(record_output(p, folder, home, options, job.accumulators[k].reports(), extra, started))
         return reports
+
+
+def refuse_unbatchable(prepared: Sequence[PreparedMerge]) -> None:
+    """:class:`NotBatchable` unless the prepared merges write models whose plans differ only in parameters."""
+    if any(p.recipe.output_format != "model" for p in prepared) or len({str(_shape(p.plan)) for p in prepared}) > 1:
+        raise NotBatchable("the settings' plans differ beyond method parameters: merge them one at a time")
+
+
+def _run_settings_job(
+    prepared: Sequence[PreparedMerge],
+    writes: Sequence[Any],
+    options: ComputeOptions,
+    layers: Mapping[str, LayerProjections] | None,
+    reuse: bool,
+    progress: bool,
+) -> SettingsJob:
+    job = SettingsJob([p.plan for p in prepared], prepared[0], writes, options, layers, reuse)
+    try:
+        StreamingExecutor().run(job, progress=progress)
+    finally:
+        job.close()
+    return job
+
+
+def merge_in_memory(
+    recipes: Sequence[Recipe],
+    *,
+    layers: Mapping[str, LayerProjections] | None = None,
+    threads: int | None = None,
+    reuse: bool = False,
+) -> list[dict[str, torch.Tensor]]:
+    """Merge ``recipes`` (one recipe at several settings of its parameters) in one pass and return each setting's
+    merged tensors (name -> CPU tensor, in the plan's order): the tensors ``run_recipe`` writes in its shards, bit
+    for bit. Nothing is written. One recipe runs as ``run_recipe`` runs it (on a GPU with the device plan's
+    batches); several as :func:`run_settings`. Raises :class:`NotBatchable` when the plans differ beyond
+    parameters, and a :class:`~specmerge.errors.RecipeError` for a recipe whose model is written quantized or as a
+    LoRA adapter (evaluate those from the folder)."""
+    options = ComputeOptions.for_recipe(recipes[0])
+    with ExitStack() as stack:
+        stack.enter_context(merge_threads(threads))
+        prepared = [prepare_merge(stack, recipe, None) for recipe in recipes]
+        for p in prepared:
+            if p.recipe.output_format != "model" or output_quantizer(p) is not None:
+                what = "a LoRA adapter" if p.recipe.output_format != "model" else f"quantized ({p.recipe.quantize})"
+                raise RecipeError(
+                    f"this merge is written as {what}, which a state dict in memory would not be: evaluate the "
+                    "candidates from their folders (candidates='disk')"
+                )
+        refuse_unbatchable(prepared)
+        collected = [CollectedTensors(p.plan) for p in prepared]
+        if len(prepared) > 1:
+            _run_settings_job(prepared, [c.write for c in collected], options, layers, reuse, False)
+        else:
+            _run_alone(prepared[0], collected[0], options, layers)
+    return [c.state_dict({}, order=[e.name for e in p.plan]) for c, p in zip(collected, prepared, strict=True)]
+
+
+def _run_alone(
+    prepared: PreparedMerge,
+    collected: CollectedTensors,
+    options: ComputeOptions,
+    layers: Mapping[str, LayerProjections] | None,
+) -> None:
+    """One setting's merge as ``run_recipe`` runs it, into ``collected``."""
+    job = ModelJob(prepared.plan, prepared.base, prepared.experts, collected.write, options, fsync=False, layers=layers)
+    executor = StreamingExecutor()
+    if options.device.type == "cuda":  # batches and the CPU for what does not fit, as run_recipe plans them
+        from specmerge.pipeline.run import device_plan
+
+        planned, sizes = device_plan.plan_for(job, prepared.recipe, options.device)
+        device_plan.apply(job, executor, planned, sizes)
+    executor.run(job, progress=False)

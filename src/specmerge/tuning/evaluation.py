@@ -5,9 +5,10 @@ share of its evaluation to run in place of ``{budget}`` (a number in (0, 1]). It
 of output: one number, or a JSON object from which ``metric`` is read (the only number in it when no metric is
 named). A non-zero exit, or a last line that is neither, stops the tune with one line that quotes it.
 
-A callable gets the model folder (a :class:`pathlib.Path`), or with ``module=`` that module with the merged
-weights loaded into it (``load_state_dict``, strict), and ``budget=`` when it accepts that keyword; it returns a
-number or a mapping of named numbers.
+A callable gets the model: the folder (a :class:`pathlib.Path`) when the candidates are written to disk, the merged
+state dict (name -> tensor, what the folder's shards hold) when they are kept in memory, or with ``module=`` that
+module with the merged weights loaded into it (``load_state_dict``, strict) either way; and ``budget=`` when it
+accepts that keyword. It returns a number or a mapping of named numbers.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Any
 
 import torch
 
-Evaluate = Callable[[Path, float], dict[str, float]]  # (model folder, budget) -> named scores
+Candidate = Path | Mapping[str, torch.Tensor]  # a merged model: its folder, or its state dict in memory
+Evaluate = Callable[[Candidate, float], dict[str, float]]  # (the model, budget) -> named scores
 
 
 class EvaluationError(ValueError):
@@ -87,7 +89,9 @@ def command_evaluator(command: str, metric: str | None = None, *, timeout: float
     if "{model}" not in command:
         raise ValueError(f"--eval command must contain {{model}} (where the model folder goes), got {command!r}")
 
-    def evaluate(model: Path, budget: float) -> dict[str, float]:
+    def evaluate(model: Candidate, budget: float) -> dict[str, float]:
+        if not isinstance(model, Path):
+            raise TypeError("a command evaluates a model folder: write the candidates to disk")
         line = command.replace("{model}", shlex.quote(str(model))).replace("{budget}", repr(float(budget)))
         try:
             done = run_command(line, timeout)
@@ -124,10 +128,10 @@ def takes_budget(fn: Callable[..., Any]) -> bool:
 def callable_evaluator(
     fn: Callable[..., Any], metric: str | None = None, *, module: torch.nn.Module | None = None
 ) -> Evaluate:
-    """An evaluation calling ``fn`` with the model folder, or ``module`` holding the merged weights."""
+    """An evaluation calling ``fn`` with the model (folder or state dict), or ``module`` holding its weights."""
     with_budget = takes_budget(fn)
 
-    def evaluate(model: Path, budget: float) -> dict[str, float]:
+    def evaluate(model: Candidate, budget: float) -> dict[str, float]:
         subject: Any = model if module is None else load_into(module, model)
         value = fn(subject, budget=budget) if with_budget else fn(subject)
         score, numbers = score_of(value, metric, f"evaluate({getattr(fn, '__name__', 'fn')})")
@@ -136,13 +140,17 @@ def callable_evaluator(
     return evaluate
 
 
-def load_into(module: torch.nn.Module, folder: Path) -> torch.nn.Module:
-    """``module`` with the weights of the model folder loaded (strict: every name must match, one line if not)."""
+def load_into(module: torch.nn.Module, model: Candidate) -> torch.nn.Module:
+    """``module`` with the weights of the model (a folder, or a state dict) loaded (strict: every name must match,
+    one line if not)."""
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(file))
+    if isinstance(model, Path):
+        for file in sorted(model.glob("*.safetensors")):
+            state.update(load_file(file))
+    else:
+        state = dict(model)
     result = module.load_state_dict(state, strict=False)
     buffers = {name for name, _ in module.named_buffers()}
     missing = [n for n in result.missing_keys if n not in buffers]

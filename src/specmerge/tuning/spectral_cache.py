@@ -167,6 +167,15 @@ class CachedLayer:
             self._loaded[kind, tau_init] = p
         return p
 
+    def release(self) -> None:
+        """Drop the projections kept in memory."""
+        self._loaded.clear()
+
+    @property
+    def held(self) -> int:
+        """How many projections this layer keeps in memory (resident: each one loaded)."""
+        return len(self._loaded)
+
     def _load(self, kind: str, tau_init: str) -> Projection:
         spectrum_file, start_file = self.folder / f"{kind}.safetensors", self.folder / f"{kind}-{tau_init}.safetensors"
         if not (spectrum_file.is_file() and start_file.is_file()):

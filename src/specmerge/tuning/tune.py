@@ -7,9 +7,15 @@ The tune folder holds ``tune.json`` (the recipe, space, strategy and evaluation 
 ``cache/`` (the spectral cache). Running the same tune again in the same folder skips every setting already scored.
 
 Each setting is a complete merge by :func:`specmerge.pipeline.run.api.run_recipe` of the recipe with the setting's
-parameters, written to ``work/`` and removed once scored (or moved to ``best/``). Spectral methods merge from the
-spectral cache (:mod:`.spectral_cache`): the first setting pays the decompositions, every other one only the filter
-products and the I/O, with the same bits as a fresh merge. Strategies: ``grid`` (every setting at the full
+parameters, written to ``work/`` and removed once scored (or moved to ``best/``: its ``recipe.yaml`` names local inputs
+relative to ``best/`` from the start). A Python evaluation may take the
+candidates in memory instead (``candidates="memory"``; the default when it is given a ``module``): each setting is
+merged into a state dict (:func:`~specmerge.tuning.batch.merge_in_memory`, the same tensors as the folder's shards),
+handed to the evaluation, and dropped; nothing is written but the winner, merged once more into ``best/`` at the end.
+Spectral methods merge from the spectral cache (:mod:`.spectral_cache`): the first setting pays the decompositions,
+every other one only the filter products and the I/O, with the same bits as a fresh merge. On a GPU the cache stays
+in device memory across the grid when it takes at most half the budget (``gpu_memory``, else the free memory less a
+margin), and the settings' merges plan with the rest. Strategies: ``grid`` (every setting at the full
 evaluation) and ``halving`` (successive halving: every setting on the smallest share of the evaluation, the best
 1/eta of them on eta times more, and so on up to the full evaluation; the evaluation takes that share as
 ``{budget}`` / ``budget=``).
@@ -19,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -34,7 +39,7 @@ from specmerge.pipeline.inputs.open import refuse_output_inside_inputs
 from specmerge.pipeline.recipe.layered import validate_layered
 from specmerge.pipeline.recipe.model import Recipe, load_recipe_with
 from specmerge.pipeline.run.api import run_recipe
-from specmerge.tuning.batch import NotBatchable, run_settings
+from specmerge.tuning.candidates import Candidates, beside_cache, candidates_in_memory, discard, recipe_for
 from specmerge.tuning.evaluation import Evaluate, callable_evaluator, command_evaluator, takes_budget, uses_budget
 from specmerge.tuning.results import ResultsLog, Scored, write_plots, write_tables
 from specmerge.tuning.search import Strategy, search
@@ -76,6 +81,9 @@ def tune(
     timeout: float | None = None,
     batch: int = 8,
     reuse_products: bool = False,
+    candidates: str = "auto",
+    device: str | None = None,
+    gpu_memory: int | str | None = None,
     log: Callable[[str], None] = print,
 ) -> TuneResult:
     """Tune ``recipe`` (a :class:`Recipe`, a mapping, or a tune file's path) against an evaluation into ``output``.
@@ -90,16 +98,24 @@ def tune(
     disk is short: at most half its free space). ``reuse_products``: within a pass, spectral settings that keep
     nested sets of directions (SWUDI at several r) build each filter product on the previous one: equal to
     ``specmerge merge`` to float32 rounding instead of bit for bit, and several times faster on a CPU.
+    ``candidates``: ``"disk"`` (each setting's model folder written to ``work/`` for the evaluation), ``"memory"``
+    (a Python evaluation gets the merged state dict, or ``module`` holding it; nothing but the winner is written;
+    a pass holds at most half the available memory of models) or ``"auto"`` (memory when ``module`` is given and
+    the model is written dense, else disk). ``device`` and ``gpu_memory`` replace the recipe's.
     """
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a whole number >= 1 (settings merged in one pass), got {batch!r}")
     started = time.perf_counter()
     recipe, section = _recipe_and_section(recipe)
+    replaced = {k: v for k, v in {"device": device, "gpu_memory": gpu_memory}.items() if v is not None}
+    if replaced:
+        recipe = Recipe.from_dict({**recipe.model_dump(), **replaced})
     section = {**(section or {}), **{k: v for k, v in {"space": space, "strategy": strategy, "metric": metric,
                                                         "maximize": maximize}.items() if v is not None}}  # fmt: skip
     method = get_method(recipe.method)
     options = parse_options(method, section, recipe.params)
     score_with, description = _evaluation(evaluate, command, options, module, timeout)
+    in_memory = candidates_in_memory(candidates, command, module, recipe)
     folder = Path(output)
     refuse_output_inside_inputs(folder, [recipe.base, *recipe.experts])
     if cache is not None:  # the spectral cache is written too: never into an input
@@ -113,7 +129,8 @@ def tune(
     layers = _layers(recipe, settings, Path(cache) if cache is not None else folder / "cache", progress, log)
     strategy = Strategy(options.strategy, options.eta, options.min_budget, options.maximize)
 
-    merging = _Merging(recipe, folder, layers, threads, batch, reuse_products)
+    merging = Candidates(beside_cache(recipe, layers), folder, layers, threads, batch, reuse_products, in_memory)
+    log("candidates merged in memory, only the best written" if in_memory else f"candidates written to {folder}/work")
 
     def score(setting: Setting, budget: float) -> float:
         found = results.find(setting.key, budget)
@@ -121,25 +138,28 @@ def tune(
             return found.score
         seconds = merging.model(setting, [s for s in merging.round if results.find(s.key, budget) is None])
         start = time.perf_counter()
-        numbers = score_with(folder / "work" / setting.key, budget)
+        numbers = score_with(merging.candidate(setting), budget)
         entry = Scored(setting.key, dict(setting.params), budget, numbers.pop("score"), numbers, seconds,
                        time.perf_counter() - start)  # fmt: skip
         results.add(entry)
         return entry.score
 
     def after(setting: Setting, budget: float, value: float, new_best: bool) -> None:
-        if new_best:
+        if new_best and not in_memory:
             _keep_best(folder, setting)
-        _discard(folder / "work" / setting.key)
+        merging.discard(setting)
 
     def before_round(settings: list[Setting], budget: float) -> None:
         merging.round = settings
 
     chosen, _ = search(settings, score, strategy, after=after, before_round=before_round, progress=progress)
-    _discard(folder / "work")  # models merged ahead for settings a halving round dropped
+    discard(folder / "work")  # models merged ahead for settings a halving round dropped
+    merging.held.clear()
     best = results.find(chosen.key, 1.0)
     if best is None:
         raise RuntimeError("no setting was scored at the full budget")
+    if hasattr(layers, "release"):
+        layers.release()  # the winner's merge has the whole budget (it reads the cache from disk if merged again)
     best_model = _finish_best(recipe, best, folder, layers, threads)
     names = list(options.space.values)
     write_tables(results.entries, names, folder, options.maximize)
@@ -192,8 +212,8 @@ def _open_folder(folder: Path, state: dict[str, Any], restart: bool) -> ResultsL
         if differ:
             (folder / "results.jsonl").unlink(missing_ok=True)
             (folder / "best.json").unlink(missing_ok=True)
-            _discard(folder / "best")
-            _discard(folder / "work")
+            discard(folder / "best")
+            discard(folder / "work")
     elif any(p.name != "cache" for p in folder.iterdir()):
         raise RecipeError(f"{folder} is not empty and holds no tune (no tune.json): give a new or empty folder")
     marker.write_text(json.dumps(state, indent=1))
@@ -232,66 +252,12 @@ def _kept(method: str, params: dict) -> list:
     return [kept_directions(method, params)]
 
 
-class _Merging:
-    """Each setting's model in ``work/<key>``, merged when first asked for together with up to ``batch`` - 1 of the
-    round's next unscored settings in one pass (:func:`~specmerge.tuning.batch.run_settings`), as many as half the
-    free disk holds; a setting whose plan differs beyond parameters is merged alone."""
-
-    def __init__(
-        self, recipe: Recipe, folder: Path, layers: dict, threads: int | None, batch: int, reuse: bool = False
-    ) -> None:
-        self.recipe, self.folder, self.layers, self.threads, self.batch = recipe, folder, layers, threads, batch
-        self.reuse = reuse
-        self.round: list[Setting] = []
-        self.seconds: dict[str, float] = {}
-        self.model_bytes: int | None = None
-
-    def model(self, setting: Setting, unscored: list[Setting]) -> float:
-        """Merge ``setting`` (and the next ``unscored`` ones) unless its model is there; its share of the seconds."""
-        work = self.folder / "work"
-        if (work / setting.key / "report.json").is_file():
-            return self.seconds.get(setting.key, 0.0)
-        work.mkdir(exist_ok=True)
-        after = unscored[unscored.index(setting) + 1 :] if setting in unscored else []
-        after = [s for s in after if not (work / s.key / "report.json").is_file()]  # merged by an earlier pass
-        chosen = [setting, *after[: self._room() - 1]]
-        recipes = [_recipe_for(self.recipe, s) for s in chosen]
-        start = time.perf_counter()
-        if len(chosen) > 1:
-            try:
-                outputs = [work / s.key for s in chosen]
-                run_settings(recipes, outputs, layers=self.layers, threads=self.threads, reuse=self.reuse)
-            except NotBatchable:
-                chosen, recipes = chosen[:1], recipes[:1]
-        if len(chosen) == 1:
-            run_recipe(recipes[0], work / setting.key, overwrite=True, progress=False, fsync=False,
-                       threads=self.threads, layers=self.layers)  # fmt: skip
-        share = (time.perf_counter() - start) / len(chosen)
-        self.seconds.update({s.key: share for s in chosen})
-        if self.model_bytes is None:
-            self.model_bytes = sum(f.stat().st_size for f in (work / setting.key).iterdir() if f.is_file())
-        return share
-
-    def _room(self) -> int:
-        """How many models one pass may write: ``batch``, and no more than half the free disk holds."""
-        if self.model_bytes is None:
-            return 1
-        free = shutil.disk_usage(self.folder).free
-        return max(1, min(self.batch, int(free / 2 // max(self.model_bytes, 1))))
-
-
-def _recipe_for(recipe: Recipe, setting: Setting) -> Recipe:
-    data = recipe.model_dump()
-    data["params"] = {**recipe.params, **setting.params}
-    return Recipe.from_dict(data)
-
-
 def _keep_best(folder: Path, setting: Setting) -> None:
     """Move the setting's model to ``best/`` (replacing the previous best; ``best.json`` names its setting)."""
     work = folder / "work" / setting.key
     if work.is_dir():
         (folder / "best.json").unlink(missing_ok=True)
-        _discard(folder / "best")
+        discard(folder / "best")
         os.replace(work, folder / "best")
         _mark_best(folder, setting)
 
@@ -301,7 +267,7 @@ def _finish_best(recipe: Recipe, best: Scored, folder: Path, layers: dict, threa
     target, marker = folder / "best", folder / "best.json"
     if not (marker.is_file() and json.loads(marker.read_text()).get("key") == best.key and target.is_dir()):
         marker.unlink(missing_ok=True)
-        run_recipe(_recipe_for(recipe, Setting(best.params)), target, overwrite=True, progress=False, threads=threads,
+        run_recipe(recipe_for(recipe, Setting(best.params)), target, overwrite=True, progress=False, threads=threads,
                    layers=layers)  # fmt: skip
         _mark_best(folder, Setting(best.params))
     for file in target.iterdir():
@@ -314,8 +280,3 @@ def _finish_best(recipe: Recipe, best: Scored, folder: Path, layers: dict, threa
 def _mark_best(folder: Path, setting: Setting) -> None:
     """``best.json``: which setting the model in ``best/`` is."""
     (folder / "best.json").write_text(json.dumps({"key": setting.key, "params": dict(setting.params)}))
-
-
-def _discard(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)

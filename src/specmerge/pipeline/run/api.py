@@ -138,17 +138,21 @@ def run_recipe(
     threads: int | None = None,
     executor: Executor | None = None,
     layers: Mapping[str, LayerProjections] | None = None,
+    home: str | os.PathLike | None = None,
 ) -> dict:
     """Run a validated recipe and write the merged model (or adapter) folder atomically; return the report.
 
     ``executor`` runs the work items (:class:`~specmerge.pipeline.run.work.Executor`; default
     :class:`~specmerge.pipeline.run.executor.StreamingExecutor`); the output files do not depend on it. ``layers``:
     stored projections of spectral layers by tensor name (``specmerge tune``'s spectral cache, see
-    :class:`~specmerge.pipeline.run.jobs.ModelJob`); the output is the same.
+    :class:`~specmerge.pipeline.run.jobs.ModelJob`); the output is the same. ``home``: where the folder will be
+    used from when it is moved after writing (a tune's candidate becoming ``best/``): ``recipe.yaml``, the card and
+    an adapter's config name local inputs by their path relative to it (default ``output``).
     """
     check_threads(threads)
     executor = executor_for(recipe, threads) if executor is None else executor
     output = Path(output)
+    named_from = output if home is None else Path(home)
     refuse_output_inside_inputs(output, [recipe.base, *recipe.experts])
     check_output(output, overwrite)  # before any work: parent exists, an existing folder may be replaced
     if hasattr(executor, "check_reachable"):  # a cluster that does not answer: refused before the work folder exists
@@ -165,13 +169,13 @@ def run_recipe(
         size = prepared.summary["bytes"] if recipe.output_format == "model" else None  # for a full disk's message
         with atomic_directory(output, overwrite=overwrite, expected_bytes=size) as folder:
             if recipe.output_format == "lora":
-                reports, extra = _write_adapter(prepared, folder, options, executor, progress, output)
+                reports, extra = _write_adapter(prepared, folder, options, executor, progress, named_from)
             else:
                 reports, extra = _write_model(prepared, folder, options, executor, progress, fsync, layers)
             extra = {"threads": threads_used.threads, "threads_from": threads_used.source, **extra}
             if hasattr(executor, "describe"):
                 extra["executor"] = executor.describe()
-            report = record_output(prepared, folder, output, options, reports, extra, started)
+            report = record_output(prepared, folder, named_from, options, reports, extra, started)
     return report
 
 
@@ -269,7 +273,8 @@ def record_output(
     started: float,
 ) -> dict:
     """Write ``report.json``, ``recipe.yaml`` (hub ids pinned, paths relative to ``output``) and the model card into
-    ``folder`` (the output being written, renamed to ``output`` when done); return the report."""
+    ``folder`` (the output being written, renamed to ``output`` when done, or used from ``output`` after a move);
+    return the report."""
     recipe = prepared.recipe
     method = get_method(recipe.method)
     report = {

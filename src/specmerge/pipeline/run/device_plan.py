@@ -82,11 +82,17 @@ def apply(job: ModelJob, executor: Any, plan: DevicePlan, sizes: dict[Hashable, 
         f"device plan on {plan.device}: budget {plan.budget / 2**30:.1f} GiB ({plan.budget_from}), spectral layers "
         f"batched {batches or 'none'}, peak {plan.peak / 2**30:.1f} GiB"
     )
+    say_cpu_layers(plan)
+    if isinstance(executor, StreamingExecutor | DevicesExecutor) and executor.batch == 1:
+        executor.batch = lambda key: max(1, sizes.get(key, 1))
+
+
+def say_cpu_layers(plan: DevicePlan) -> None:
+    """One console line for each layer the plan computes on the CPU."""
+    log = logging.getLogger(OUTPUT_LOG)
     for name, group in plan.cpu_layers():
         log.warning(
             f"{name}: needs {group.peak / 2**30:.1f} GiB of device memory, over the budget of "
             f"{plan.budget / 2**30:.1f} GiB ({plan.budget_from}): computed on the CPU (raise --gpu-memory to keep "
             "it on the device)"
         )
-    if isinstance(executor, StreamingExecutor | DevicesExecutor) and executor.batch == 1:
-        executor.batch = lambda key: max(1, sizes.get(key, 1))
