@@ -26,6 +26,7 @@ MAX_LINES = 400
 LAYERS = {
     "version": 0,
     "errors": 0,
+    "foreign": 0,
     "linalg": 1,
     "methods": 2,
     "io": 2,

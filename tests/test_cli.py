@@ -39,6 +39,7 @@ MERGE_SAMPLES = {
     "non_matrix": (["--non-matrix", "keep_base"], "keep_base"),
     "scale_non_matrix": (["--scale-non-matrix"], True),
     "merge_embeddings": (["--merge-embeddings"], True),
+    "chat_template": (["--chat-template", "base"], "base"),
     "dtype": (["--dtype", "bfloat16"], "bfloat16"),
     "compute_dtype": (["--compute-dtype", "float64"], "float64"),
     "device": (["--device", "cuda:1"], "cuda:1"),

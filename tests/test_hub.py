@@ -90,6 +90,8 @@ def test_cli_merges_hub_ids_offline_bit_for_bit_as_the_local_folders(family, cac
     done = cli(args, work, env)
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("specmerge: ")]
+    assert sum(line.startswith("specmerge: not merged with swudi_a: ") for line in lines) == 1  # the plan's account
+    lines = [line for line in lines if not line.startswith("specmerge: not merged with")]
     cached = ", from the cache only (HF_HUB_OFFLINE is set) -> "
     said = [("org/base", "org/base", "base"), ("org/math@v1", "org/math", "v1"), ("org/math", "org/math", "main")]
     assert lines == [

@@ -160,11 +160,12 @@ def test_row_blocks_give_the_same_merge(families, tmp_path, monkeypatch, method)
 
     base_dir, expert_dirs = families["llama"]
     whole = tmp_path / "whole"
-    merge(base_dir, expert_dirs, whole, method=method, expert_keys=KEYS, progress=False)
+    averaged = {"merge_embeddings": False}  # the embedding averaged: row-wise work, in blocks below
+    merge(base_dir, expert_dirs, whole, method=method, expert_keys=KEYS, progress=False, **averaged)
     monkeypatch.setattr(work, "BLOCK_BYTES", 200)  # a few rows per block
     assert len(work.row_blocks(_entry("average", (64, 32)), 4)) > 1
     blocks = tmp_path / "blocks"
-    report = merge(base_dir, expert_dirs, blocks, method=method, expert_keys=KEYS, progress=False)
+    report = merge(base_dir, expert_dirs, blocks, method=method, expert_keys=KEYS, progress=False, **averaged)
     a, b = load_weights(whole), load_weights(blocks)
     assert a.keys() == b.keys()
     for name in a:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from specmerge.methods import get_method
-from specmerge.pipeline.plan.rules import PlanError, default_action, is_embedding, make_plan, summarize
+from specmerge.pipeline.plan.rules import PlanError, default_action, is_embedding, make_plan
+from specmerge.pipeline.plan.summary import summarize
 from specmerge.pipeline.recipe.model import Recipe
 
 F32, BF16, I64 = torch.float32, torch.bfloat16, torch.int64
@@ -81,8 +82,8 @@ def test_llama_with_a_matrix_method_merges_linear_weights_and_averages_the_rest(
     assert [p.name for p in ordered] == [name for name, _, _ in LLAMA]  # the base's order
     merged = {name for name, p in plan.items() if p.action == "merge"}
     assert merged == {n for n, _, _ in LLAMA if n.endswith("_proj.weight")}
-    assert plan["model.embed_tokens.weight"].action == "average"
-    assert plan["model.embed_tokens.weight"].reason == "embedding"
+    assert plan["model.embed_tokens.weight"].action == "average"  # a method of linear layers: as in its paper
+    assert plan["model.embed_tokens.weight"].reason == "embedding; a method of linear layers"
     assert plan["lm_head.weight"].action == "average"
     assert plan["model.layers.0.input_layernorm.weight"].reason == "norm/bias (1-D)"
     assert plan["model.layers.0.self_attn.q_proj.bias"].action == "average"
@@ -91,14 +92,16 @@ def test_llama_with_a_matrix_method_merges_linear_weights_and_averages_the_rest(
     assert q.params == {"rule": "psqrt", "tau_init": "sum", "scale": 1.0}
 
 
-def test_elementwise_methods_take_every_tensor_but_embeddings():
-    plan, _ = plan_for(LLAMA, method="ties")
+def test_elementwise_methods_take_every_tensor_and_embeddings_unless_told_not_to():
+    plan, _ = plan_for(LLAMA, method="ties")  # merge_embeddings unset: the method's convention, as mergekit
+    assert all((p.action, p.method) == ("merge", "ties") for p in plan.values())
+    assert plan["model.norm.weight"].params == {"density": 0.2, "scale": 1.0}
+    plan, _ = plan_for(LLAMA, method="ties", merge_embeddings=False)
     for name, p in plan.items():
         if is_embedding(name):
-            assert p.action == "average", name
+            assert (p.action, p.reason) == ("average", "embedding; merge_embeddings: false"), name
         else:
             assert (p.action, p.method) == ("merge", "ties"), name
-    assert plan["model.norm.weight"].params == {"density": 0.2, "scale": 1.0}
 
 
 def test_merge_embeddings_gives_embeddings_the_method_where_it_applies():
@@ -120,7 +123,7 @@ def test_clip_tower():
     assert decisions(plan) == {
         "vision_model.embeddings.class_embedding": ("keep_base", None),
         "vision_model.embeddings.patch_embedding.weight": ("keep_base", None),
-        "vision_model.embeddings.position_embedding.weight": ("keep_base", None),
+        "vision_model.embeddings.position_embedding.weight": ("keep_base", None),  # swudi: a method of linear layers
         "vision_model.embeddings.position_ids": ("keep_base", None),
         "vision_model.pre_layrnorm.weight": ("keep_base", None),
         "vision_model.encoder.layers.0.self_attn.in_proj_weight": ("merge", "swudi"),  # fused qkv: one 2-D layer
@@ -136,7 +139,7 @@ def test_clip_tower():
     ties, _ = plan_for(CLIP, method="ties")
     assert decisions(ties)["vision_model.embeddings.position_ids"] == ("keep_base", None)
     assert decisions(ties)["vision_model.encoder.layers.0.self_attn.in_proj_bias"] == ("merge", "ties")
-    assert ties["vision_model.embeddings.patch_embedding.weight"].action == "average"  # embedding
+    assert ties["vision_model.embeddings.patch_embedding.weight"].action == "merge"  # elementwise: embeddings too
 
 
 def test_bert():
@@ -146,8 +149,8 @@ def test_bert():
         "bert.encoder.layer.0.attention.output.dense.weight",
         "bert.pooler.dense.weight",
     }
-    assert plan["bert.embeddings.word_embeddings.weight"].reason == "embedding"
-    assert plan["bert.embeddings.token_type_embeddings.weight"].reason == "embedding"
+    assert plan["bert.embeddings.word_embeddings.weight"].reason == "embedding; a method of linear layers"
+    assert plan["bert.embeddings.token_type_embeddings.weight"].reason == "embedding; a method of linear layers"
     # the LayerNorm inside the embeddings block is a norm, not an embedding: the elementwise method takes it
     assert not is_embedding("bert.embeddings.LayerNorm.weight")
     ties, _ = plan_for(BERT, method="ties")
@@ -250,7 +253,7 @@ def test_an_override_that_matches_nothing_is_an_error():
 
 
 def test_averages_carry_the_scale_only_when_asked():
-    plan, _ = plan_for(LLAMA, method="task_arithmetic", params={"scale": 0.4})
+    plan, _ = plan_for(LLAMA, method="task_arithmetic", params={"scale": 0.4}, merge_embeddings=False)
     assert plan["lm_head.weight"].params == {"scale": 1.0}
     assert plan["model.norm.weight"].params == {"scale": 0.4}  # elementwise: merged with the method
     plan, _ = plan_for(LLAMA, params={"scale": 0.4}, scale_non_matrix=True)
@@ -302,4 +305,4 @@ def test_summarize_counts_tensors_and_bytes():
     assert summary["by_action"]["merge"] == {"tensors": 7, "bytes": 2 * (64 + 32 + 32 + 64 + 3 * 128)}
     assert summary["by_method"] == {"swudi_a": summary["by_action"]["merge"]}
     assert summary["by_action"]["average"]["tensors"] == 6
-    assert summary["by_reason"]["embedding"]["tensors"] == 2
+    assert summary["by_reason"]["embedding; a method of linear layers"]["tensors"] == 2

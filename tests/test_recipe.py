@@ -174,10 +174,10 @@ def test_yaml_errors_name_the_file_and_line(tmp_path):
     with pytest.raises(RecipeError) as err:
         load_recipe(path)
     assert str(err.value) == (
-        f"{path}:3: unknown recipe key 'metod': did you mean 'method'? known: address, base, compute_dtype, "
-        "config_source, device, dtype, executor, expert_keys, expert_weights, experts, gpu_memory, max_rank, "
-        "merge_embeddings, method, modules, non_matrix, output_format, overrides, params, quantize, scale_non_matrix, "
-        "shard_size, tokenizer_source"
+        f"{path}:3: unknown recipe key 'metod': did you mean 'method'? known: address, base, chat_template, "
+        "compute_dtype, config_source, device, dtype, executor, expert_keys, expert_weights, experts, gpu_memory, "
+        "max_rank, merge_embeddings, method, modules, non_matrix, output_format, overrides, params, quantize, "
+        "scale_non_matrix, shard_size, tokenizer_source"
     )
     path.write_text("base: b\nexperts: [a]\noverrides:\n  - pattern: x\n  - pattern: '*.mlp.*'\n    action: merg\n")
     with pytest.raises(RecipeError, match=r"bad\.yaml:6: override '\*\.mlp\.\*' key 'action'"):

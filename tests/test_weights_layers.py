@@ -118,7 +118,7 @@ def test_weights_on_the_command_line_and_the_weighted_average_of_other_tensors(t
     out = tmp_path / "out"
     argv = ["merge", str(tmp_path / "base.safetensors"), str(tmp_path / "e0.safetensors"),
             str(tmp_path / "e1.safetensors"), "-o", str(out), "-m", "ties", "-p", "density=1",
-            "--weight", "0.25", "--weight", "0.75", "-q"]  # fmt: skip
+            "--weight", "0.25", "--weight", "0.75", "--no-merge-embeddings", "-q"]  # fmt: skip
     assert main(argv) == 0
     merged = load_file(out / "model.safetensors")
     name = "model.embed_tokens.weight"  # averaged (non_matrix): the weighted mean
@@ -155,7 +155,7 @@ def test_weights_summing_to_zero_refuse_averaged_tensors_in_the_plan(tmp_path, c
     write_models(tmp_path)
     argv = ["merge", str(tmp_path / "base.safetensors"), str(tmp_path / "e0.safetensors"),
             str(tmp_path / "e1.safetensors"), "-o", str(tmp_path / "out"), "-m", "task_arithmetic",
-            "--weight", "1", "--weight", "-1", "-q"]  # fmt: skip
+            "--weight", "1", "--weight", "-1", "--no-merge-embeddings", "-q"]  # fmt: skip
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "tensor 'model.embed_tokens.weight' is averaged" in err and "sum, which is 0" in err

@@ -48,9 +48,15 @@ def closest_name(name: str, known: Sequence[str], *, cutoff: float = 0.6) -> str
     return close[0] if close else None
 
 
-def unknown_name_message(what: str, name: str, known: Sequence[str], *, compared: str | None = None) -> str:
+def unknown_name_message(
+    what: str, name: str, known: Sequence[str], *, compared: str | None = None, foreign: str | None = None
+) -> str:
     """The one did-you-mean message: ``unknown <what> '<name>': did you mean '<closest>'? known: a, b, c``;
-    ``compared`` is the form of ``name`` matched against ``known`` (default: ``name`` as typed)."""
+    ``compared`` is the form of ``name`` matched against ``known`` (default: ``name`` as typed). ``foreign``: what
+    ``name`` means in another tool and what to write instead (:mod:`specmerge.foreign`), given in place of the
+    closest name, which would be a wrong guess."""
+    if foreign is not None:
+        return f"unknown {what} '{name}': {foreign}"
     close = closest_name(name if compared is None else compared, known)
     hint = f"did you mean '{close}'? " if close else ""
     return f"unknown {what} '{name}': {hint}known: {', '.join(sorted(known))}"

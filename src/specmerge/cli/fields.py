@@ -9,7 +9,8 @@ model validates the command line exactly as it validates a recipe or a Python ca
 
 How a field's type is typed on the command line:
 
-- ``bool``: a switch without a value (``--merge-embeddings``, ``--no-plots``);
+- ``bool``: a switch without a value (``--merge-embeddings``, ``--no-plots``); ``bool | None`` (None: decided
+  later) two, ``--merge-embeddings`` and ``--no-merge-embeddings``;
 - ``dict``: a repeatable ``KEY=VALUE`` flag, the pairs read by :func:`~specmerge.pipeline.recipe.values.parse_pairs`;
 - a list or tuple: a repeatable flag, one item each (a positional list takes one or more);
 - ``str`` (names, paths, patterns, regular expressions): the text as typed;
@@ -68,15 +69,20 @@ def add_fields(
         flag = field_flag(name, field)
         names_typed = [n for n in (flag.short, flag.name) if n]
         if kind == "switch":
-            on = field.get_default(call_default_factory=True) is not True
+            default = field.get_default(call_default_factory=True)
             parser.add_argument(
                 *names_typed,
                 dest=dest,
                 action="store_const",
-                const=on,
+                const=default is not True,
                 default=argparse.SUPPRESS,
                 help=_help(field, kind),
             )
+            if default is None and flag.name and flag.name.startswith("--"):  # both ways, unset: decided later
+                parser.add_argument(
+                    "--no-" + flag.name[2:], dest=dest, action="store_const", const=False, default=argparse.SUPPRESS,
+                    help=f"the opposite of {flag.name}",
+                )  # fmt: skip
             continue
         parser.add_argument(
             *names_typed,

@@ -8,15 +8,19 @@ the caller supplies (:data:`CONTEXT_KEYWORDS`) are not parameters.
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import re
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
+
+from specmerge.errors import unknown_name_message
+from specmerge.foreign import param_hint
 
 # Parameter types with bounds, checked when a recipe or CLI call is validated, before any tensor is read.
 UnitInterval = Annotated[float, Field(ge=0, le=1)]
@@ -76,6 +80,30 @@ def is_nan(value: Any) -> bool:
         except ValueError:
             return False
     return isinstance(value, float) and math.isnan(value)
+
+
+def check_given(method: str, params: Mapping[str, Any], declared: Sequence[Param]) -> None:
+    """A one-line ValueError for a parameter ``method`` does not have (another tool's name explained, a typo
+    answered with the closest name), a boolean for a number, or NaN."""
+    known = {p.name: p for p in declared}
+    for key, value in params.items():
+        if key not in known:
+            what, foreign = f"parameter of method '{method}'", param_hint(method, key)
+            raise ValueError(unknown_name_message(what, key, list(known), foreign=foreign))
+        refuse_boolean_number(method, key, value, known[key].annotation)
+        if is_nan(value):
+            raise ValueError(f"method '{method}': parameter '{key}' must be a number, not NaN (got {value!r})")
+
+
+def refuse_boolean_number(method: str, name: str, value: Any, annotation: Any) -> None:
+    """A one-line ValueError for a boolean (or a list holding one) given to a parameter that is not a switch: YAML's
+    ``false`` would otherwise be read as 0 (``scale: false`` merging nothing)."""
+    booleans = isinstance(value, bool) or (isinstance(value, list) and any(isinstance(v, bool) for v in value))
+    if booleans and not (annotation is bool or bool in typing.get_args(annotation)):
+        raise ValueError(
+            f"method '{method}': parameter '{name}' is a number, got {json.dumps(value)}: a boolean is never read as a "
+            "number (false is not 0)"
+        )
 
 
 def parse_docstring(fn: Callable) -> tuple[str, dict[str, str]]:

@@ -41,10 +41,11 @@ import torch
 from pydantic import ConfigDict, Field, ValidationError, create_model
 
 from specmerge.errors import unknown_name_message
+from specmerge.foreign import METHODS
 from specmerge.linalg.lowrank import FactoredResult, LoraDelta, factor_cores
 from specmerge.linalg.precision import compute_dtype
 from specmerge.methods.operations import CostFunction, Operations
-from specmerge.methods.params import SEED_KEYWORDS, Param, is_nan, parse_docstring, signature_params
+from specmerge.methods.params import SEED_KEYWORDS, Param, check_given, is_nan, parse_docstring, signature_params
 from specmerge.methods.settings import Setting  # re-exported: methods import it from here
 
 # (validated params, per-expert weights: all 1.0 when none are given) -> c_i in merged delta = sum_i c_i tau_i
@@ -137,12 +138,7 @@ class Method:
     def validate(self, params: Mapping[str, Any], n: int | None = None) -> dict[str, Any]:
         """Check names and types of ``params`` (strings from a CLI are coerced), and with the declared ``check`` the
         params together and the number of experts ``n`` (if known); return all params with defaults."""
-        known = [p.name for p in self.params]
-        for key, value in params.items():
-            if key not in known:
-                raise ValueError(unknown_name_message(f"parameter of method '{self.name}'", key, known))
-            if is_nan(value):
-                raise ValueError(f"method '{self.name}': parameter '{key}' must be a number, not NaN (got {value!r})")
+        check_given(self.name, params, self.params)
         try:
             model = self._model.model_validate(dict(params))
         except ValidationError as err:
@@ -395,6 +391,7 @@ def lookup(name: str) -> Method:
     unknown name raises with a did-you-mean hint."""
     method = _METHODS.get(name) or _METHODS.get(canonical_name(name))
     if method is None:
-        message = unknown_name_message("method", name, list(_METHODS), compared=canonical_name(name))
+        foreign = METHODS.get(canonical_name(name))
+        message = unknown_name_message("method", name, list(_METHODS), compared=canonical_name(name), foreign=foreign)
         raise ValueError(message) from None
     return method

@@ -77,6 +77,7 @@ class AdapterMerger:
         report = specmerge.merge(
             self.base_dir, self.adapters, folder, method=candidate.method,
             params={**candidate.params, "scale": 1.0}, progress=False, fsync=False, threads=torch.get_num_threads(),
+            merge_embeddings=False,  # the paper's setup, as the full track (merging.py)
         )  # fmt: skip
         merged = _read_folder(folder)
         shutil.rmtree(folder)

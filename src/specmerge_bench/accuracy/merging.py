@@ -7,9 +7,10 @@ in the registry returns ``scale * (its result at scale 1)``, so one delta per ca
 scale grid (a test checks the linearity).
 
 Which tensor gets what comes from :func:`specmerge.pipeline.plan.rules.make_plan`, exactly as for a merge from files:
-2-D linear weights get the method, embeddings are averaged, biases and LayerNorms are averaged for matrix
-methods and merged by elementwise ones (TA, TIES, DARE). The per-tensor calls are the registry methods, so
-the benchmark measures the code users run. Two savings for sweeps, both exact:
+2-D linear weights get the method, embeddings are averaged (``merge_embeddings: false``: the paper's setup, for
+every method alike), biases and LayerNorms are averaged for matrix methods and merged by elementwise ones (TA,
+TIES, DARE). The per-tensor calls are the registry methods, so the benchmark measures the code users run. Two
+savings for sweeps, both exact:
 
 - the spectral methods of one layer share its normal equation and eigendecomposition
   (:func:`specmerge.linalg.solve.shared_decompositions`), so a grid of SWUDI (r, t) settings, SWUDI-A rules,
@@ -92,7 +93,8 @@ def _plans(candidates: Sequence[Candidate], base: StateDict) -> dict[str, dict[s
     infos = {name: TensorInfo(name, tuple(t.shape), t.dtype) for name, t in base.items()}
     plans = {}
     for c in candidates:
-        recipe = Recipe(base="<memory>", experts=["<memory>"], method=c.method, params=dict(c.params))
+        recipe = Recipe(base="<memory>", experts=["<memory>"], method=c.method, params=dict(c.params),
+                        merge_embeddings=False)  # fmt: skip
         plans[c.key] = {e.name: e.action for e in make_plan(recipe, infos, [infos], ["<memory>"])}
     return plans
 

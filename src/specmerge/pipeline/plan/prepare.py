@@ -17,6 +17,7 @@ from specmerge.io.formats.layout import read_config, weights_stored_in_out
 from specmerge.io.formats.protocol import TensorSource
 from specmerge.io.formats.stacks import expert_stacks
 from specmerge.io.hub.ids import InputResolution
+from specmerge.io.output.chat_template import ChosenTemplate, choose_template
 from specmerge.io.output.model_files import config_files, tokenizer_files
 from specmerge.io.output.readme import read_license
 from specmerge.io.quant.source import quantization_note
@@ -26,7 +27,8 @@ from specmerge.pipeline.inputs.align import align_inputs
 from specmerge.pipeline.inputs.configs import adapter_bases, compare_configs
 from specmerge.pipeline.inputs.open import input_notes, open_inputs, resolve_inputs
 from specmerge.pipeline.plan.lora_output import check_lora_output
-from specmerge.pipeline.plan.rules import TensorPlan, make_plan, summarize
+from specmerge.pipeline.plan.rules import TensorPlan, make_plan
+from specmerge.pipeline.plan.summary import summarize
 from specmerge.pipeline.recipe.model import Recipe
 
 
@@ -47,6 +49,7 @@ class PreparedMerge:
     inputs: list[InputResolution] = field(default_factory=list)  # where the base and experts were found, in order
     vocabulary: VocabularyPlan | None = None  # the output's vocabulary and tokenizer (None: the base's files)
     base_quantized: Any = None  # the base's QuantizedSource when it is a quantized checkpoint (quantize: same)
+    chat_template: ChosenTemplate | None = None  # the output's chat template (None: the tokenizer files' own)
 
 
 def prepare_merge(stack: ExitStack, recipe: Recipe, output: str | Path | None) -> PreparedMerge:
@@ -85,7 +88,11 @@ def prepare_merge(stack: ExitStack, recipe: Recipe, output: str | Path | None) -
     if license:
         notes["license"] = license
     summary = summarize(plan)
+    keys = list(recipe.expert_keys or recipe.experts)
+    template = choose_template(recipe.chat_template, base_path, expert_paths, keys)  # experts that differ: refused
+    if template.source != "none":
+        notes["chat_template"] = template.source
     return PreparedMerge(
         recipe, base, experts, plan, summary, base_path, expert_paths, config_path, notes, resolved, aligned.vocabulary,
-        base_opened if quantization[0] else None,
+        base_opened if quantization[0] else None, template,
     )  # fmt: skip

@@ -13,8 +13,11 @@ paper (merge the 2-D linear weights, average the rest):
    with the method, slice by slice as E linear layers (``stacked``; ``transposed`` when slices are (in, out)); a
    matrix method refuses a stack whose layout the model's config does not tell, instead of averaging it.
 3. Embeddings and output heads (:func:`is_embedding`: ``embed_tokens``, ``wte``, ``lm_head``, ``shared``,
-   CLIP ``patch_embedding``, ...): ``recipe.non_matrix``, unless ``recipe.merge_embeddings``, in which case
-   they follow rules 4-5 like any other tensor.
+   CLIP ``patch_embedding``, ...): with ``recipe.merge_embeddings`` they follow rules 4-5 like any other tensor;
+   without it, ``recipe.non_matrix``. Unset (auto), the method's convention decides (:func:`embeddings_merged`):
+   methods defined on linear layers (``needs_matrix``: the spectral family, WUDI, TSV-M, ...) average them, as
+   their papers do; every other method merges them, as mergekit does. The console's account of every tensor
+   that does not get the recipe's method, and why: :func:`specmerge.pipeline.plan.summary.not_merged_line`.
 4. 2-D floating tensors whose last name component contains ``weight`` (``q_proj.weight``, CLIP's
    ``in_proj_weight``, GPT-2's Conv1D ``c_attn.weight``): ``merge`` with the recipe's method. A fused
    weight (qkv, gate_up) is one 2-D layer. Conv1D weights are stored (in, out): the plan marks them
@@ -135,8 +138,8 @@ def default_action(
         return "merge", STACK_REASON
     kind = _kind(name, len(shape))
     if is_embedding(name):
-        if not recipe.merge_embeddings:
-            return recipe.non_matrix, "embedding"
+        if not embeddings_merged(recipe, method):
+            return recipe.non_matrix, EMBEDDING_REASONS[recipe.merge_embeddings is None]
         kind = "embedding" if len(shape) == 2 else f"embedding, {kind}"
         return ("merge", kind) if len(shape) == 2 or not method.needs_matrix else (recipe.non_matrix, kind)
     if kind == "2-D linear weight" or not method.needs_matrix:
@@ -145,6 +148,18 @@ def default_action(
 
 
 STACK_REASON = "expert stack (E linear layers)"
+EMBEDDING_REASONS = {  # by whether merge_embeddings was left unset (auto)
+    True: "embedding; a method of linear layers",
+    False: "embedding; merge_embeddings: false",
+}
+
+
+def embeddings_merged(recipe: Recipe, method: Method) -> bool:
+    """Whether embeddings get ``method``: ``recipe.merge_embeddings``, or when unset the method's convention (not
+    for methods of linear layers)."""
+    if recipe.merge_embeddings is not None:
+        return recipe.merge_embeddings
+    return not method.needs_matrix
 
 
 def check_stack(name: str, shape: Sequence[int], method: Method, stack: bool | None) -> None:
@@ -269,26 +284,6 @@ def dtype_kind(dtype: torch.dtype) -> str:
     return "floating point" if dtype.is_floating_point else "integer"
 
 
-def summarize(plan: Sequence[TensorPlan]) -> dict[str, Any]:
-    """Counts and output bytes in total, per action, per method (merges) and per reason."""
-
-    def tally(groups: dict[str, dict[str, int]], key: str, nbytes: int) -> None:
-        group = groups.setdefault(key, {"tensors": 0, "bytes": 0})
-        group["tensors"] += 1
-        group["bytes"] += nbytes
-
-    summary: dict[str, Any] = {"tensors": 0, "bytes": 0, "by_action": {}, "by_method": {}, "by_reason": {}}
-    for entry in plan:
-        nbytes = _numel(entry.shape) * entry.out_dtype.itemsize
-        summary["tensors"] += 1
-        summary["bytes"] += nbytes
-        tally(summary["by_action"], entry.action, nbytes)
-        if entry.method is not None:
-            tally(summary["by_method"], entry.method, nbytes)
-        tally(summary["by_reason"], entry.reason, nbytes)
-    return summary
-
-
 def _at_layer(entry: TensorPlan, t: float | None, n: int) -> dict[str, Any]:
     """The params of ``entry`` at layer position ``t`` (:mod:`specmerge.pipeline.recipe.layered`), validated again: a
     value between two valid ones may still break a joint condition of the method."""
@@ -378,10 +373,3 @@ def _kind(name: str, ndim: int) -> str:
     if ndim == 0:
         return "scalar"
     return f"{ndim}-D tensor"
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for d in shape:
-        count *= d
-    return count

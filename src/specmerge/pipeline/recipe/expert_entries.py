@@ -59,6 +59,18 @@ def split_entries(data: Mapping[str, Any]) -> Mapping[str, Any]:
     return out
 
 
+def refuse_boolean_weights(weights: Any) -> Any:
+    """``weights`` as given, unless one is a boolean (YAML's true / false): never read as 1 / 0."""
+    for i, w in enumerate(weights if isinstance(weights, list) else []):
+        if isinstance(w, bool):
+            raise RecipeError(
+                f"expert_weights[{i}] is {str(w).lower()}: a weight is a number, and a boolean is never read as one "
+                "(false is not 0)",
+                (i,),
+            )
+    return weights
+
+
 def normalize_weights(weights: Sequence[float] | None, n_experts: int | None) -> list[float] | None:
     """Validated weights: finite, one per expert; all 1 (the same as none) becomes None."""
     if weights is None:

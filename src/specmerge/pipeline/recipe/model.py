@@ -34,6 +34,7 @@ from pydantic import (
 )
 
 from specmerge.errors import RecipeError, unknown_name_message
+from specmerge.foreign import RECIPE_KEYS
 from specmerge.io.hub.ids import HUB_SPEC, absolute_spec
 from specmerge.methods import all_methods, get_method
 from specmerge.pipeline.recipe.errors import TOO_DEEP, line_of, parse_yaml, recipe_error
@@ -42,6 +43,7 @@ from specmerge.pipeline.recipe.expert_entries import (
     check_weights,
     default_expert_keys,
     normalize_weights,
+    refuse_boolean_weights,
     split_entries,
 )
 from specmerge.pipeline.recipe.input_choice import BASE, CONFIG_SOURCE_HELP, MODULES_HELP, ConfigSource, ModuleSources
@@ -49,10 +51,13 @@ from specmerge.pipeline.recipe.layered import validate_layered
 from specmerge.pipeline.recipe.tokenizer_source import TOKENIZER_SOURCE_HELP, UNION, TokenizerSource
 from specmerge.pipeline.recipe.values import (
     ADDRESS_HELP,
+    CHAT_TEMPLATE_HELP,
     EXECUTOR_HELP,
+    MERGE_EMBEDDINGS_HELP,
     QUANTIZE_HELP,
     Device,
     Flag,
+    auto_is_none,
     dtype_name,
     override_shorthands,
     parse_size,
@@ -119,9 +124,9 @@ class Recipe(BaseModel):
         "in order (repeatable; default: each expert path's folder/file name, made unique); seeded methods (DARE) "
         "seed each expert's mask from its weights, never from its name",
     )
-    expert_weights: Annotated[list[float] | None, Flag("--weight", metavar="W")] = Field(
-        default=None, validate_default=True, description=WEIGHTS_HELP
-    )
+    expert_weights: Annotated[
+        list[float] | None, BeforeValidator(refuse_boolean_weights), Flag("--weight", metavar="W")
+    ] = Field(default=None, validate_default=True, description=WEIGHTS_HELP)
     method: Annotated[str, Flag("--method", "-m")] = Field(
         default="swudi_a", description="merge method (see `specmerge methods`)"
     )
@@ -143,8 +148,9 @@ class Recipe(BaseModel):
         default="average", description="what the tensors the method does not take get"
     )
     scale_non_matrix: bool = Field(default=False, description="the method's `scale` also multiplies averaged tensors")
-    merge_embeddings: bool = Field(
-        default=False, description="embeddings and lm_head get the method instead of the non_matrix rule"
+    chat_template: str | None = Field(default=None, description=CHAT_TEMPLATE_HELP)
+    merge_embeddings: Annotated[bool | None, BeforeValidator(auto_is_none)] = Field(
+        default=None, description=MERGE_EMBEDDINGS_HELP
     )
     dtype: Annotated[Literal["auto", "float32", "float16", "bfloat16"], BeforeValidator(dtype_name)] = Field(
         default="auto", description="output dtype; auto = each tensor's base dtype"
@@ -227,7 +233,10 @@ class Recipe(BaseModel):
                     f"unknown recipe key '{key}': method parameters go under 'params:' (params: {{{key}: ...}})",
                     (key,),
                 )
-            raise RecipeError(unknown_name_message("recipe key", str(key), list(cls.model_fields)), (key,))
+            foreign = RECIPE_KEYS.get(str(key))
+            raise RecipeError(
+                unknown_name_message("recipe key", str(key), list(cls.model_fields), foreign=foreign), (key,)
+            )
         empty = {key: {} if key == "params" else [] for key in ("params", "overrides") if data.get(key, 0) is None}
         return {**data, **empty}  # an empty `params:` or `overrides:` in YAML means none
 

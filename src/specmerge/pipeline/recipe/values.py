@@ -33,6 +33,11 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 DEVICE_PATTERN = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")  # the devices a recipe or an option may name
 
 
+def auto_is_none(value: Any) -> Any:
+    """``auto`` (a YAML or command-line spelling) as None: the choice is made later, by the rule of the field."""
+    return None if isinstance(value, str) and value.strip().lower() == "auto" else value
+
+
 def check_device(device: str) -> str:
     """``device`` when it is one a recipe may name (cpu, cuda, cuda:N, auto), else a one-line :class:`RecipeError`."""
     if not DEVICE_PATTERN.match(device):
@@ -49,6 +54,15 @@ EXECUTOR_HELP = (
 QUANTIZE_HELP = (
     "the merged model's weights: none (dense), fp8-block (float8 codes with a scale per 128 x 128 block, as "
     "DeepSeek-V3 ships), same (the base's fp8 scheme); the quantization error is reported"
+)
+CHAT_TEMPLATE_HELP = (
+    "the merged model's chat template: auto (default: the experts' when they agree, else the base's; experts that "
+    "differ are refused), base, an expert's name, a path to a .jinja file, or the template text itself"
+)
+MERGE_EMBEDDINGS_HELP = (
+    "whether embeddings and lm_head get the method (true) or the non_matrix rule (false); default auto: the "
+    "method's own convention (elementwise methods, slerp and model_stock merge them; methods of linear layers, such "
+    "as the spectral ones, average them as their papers do); the console says which tensors did not get the method"
 )
 ADDRESS_HELP = "with executor ray: the cluster to use (auto, or ray://host:10001); default a local one for the merge"
 

@@ -24,6 +24,7 @@ from specmerge.errors import RecipeError
 from specmerge.io.formats.peft_write import adapter_config, write_adapter
 from specmerge.io.formats.protocol import TensorInfo
 from specmerge.io.hub.ids import absolute_spec
+from specmerge.io.output.chat_template import apply_template
 from specmerge.io.output.folder import OUTPUT_LOG, atomic_directory, check_output
 from specmerge.io.output.model_files import copy_config_files, copy_tokenizer_files, write_output_config
 from specmerge.io.output.writer import ShardWriter
@@ -33,6 +34,7 @@ from specmerge.methods import get_method
 from specmerge.pipeline.inputs.open import portable_recipe, portable_spec, refuse_output_inside_inputs
 from specmerge.pipeline.inputs.related import check_related
 from specmerge.pipeline.plan.prepare import PreparedMerge, prepare_merge
+from specmerge.pipeline.plan.summary import not_merged_line
 from specmerge.pipeline.recipe.model import DTYPES, Recipe
 from specmerge.pipeline.run.card import card_for
 from specmerge.pipeline.run.executor import StreamingExecutor
@@ -162,6 +164,9 @@ def run_recipe(
     with ExitStack() as stack:
         threads_used = stack.enter_context(merge_threads(threads))  # torch's count restored on leaving
         prepared = prepare_merge(stack, recipe, output)
+        not_merged = not_merged_line(prepared.plan, recipe.method)
+        if not_merged is not None:  # every tensor that does not get the method asked for, and why
+            logging.getLogger(OUTPUT_LOG).info(not_merged)
         keys = list(recipe.expert_keys or recipe.experts)
         related = check_related(prepared.plan, prepared.base, prepared.experts, list(recipe.experts), keys)
         if related:
@@ -251,13 +256,16 @@ def shard_writer(
 
 def model_files(prepared: PreparedMerge, folder: Path, quantization: Mapping[str, Any] | None = None) -> None:
     """A merged model's files beside its shards: the config (its vocabulary size and dtype updated, and
-    ``quantization`` as its quantization_config when the weights are written quantized) and tokenizer."""
+    ``quantization`` as its quantization_config when the weights are written quantized) and tokenizer, with the
+    chat template chosen for it (:mod:`specmerge.io.output.chat_template`)."""
     copy_config_files(prepared.config_path, folder)
     vocabulary = prepared.vocabulary  # the tokenizer: the base's files, an expert's, or the union written
     if vocabulary is None:
         copy_tokenizer_files(prepared.base_path, folder)
     else:
         vocabulary.write_tokenizer(folder)
+    if prepared.chat_template is not None:
+        apply_template(folder, prepared.chat_template)
     rows = None if vocabulary is None else vocabulary.rows
     infos = [TensorInfo(p.name, p.shape, p.out_dtype) for p in prepared.plan]
     write_output_config(folder, infos, vocab_size=rows, quantization=quantization)

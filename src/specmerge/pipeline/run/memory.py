@@ -60,6 +60,7 @@ FILE_OPTIONS: dict[str, str] = {
     "tokenizer_source": "experts with added tokens are matched by their tokenizer files: use specmerge.merge",
     "modules": "own modules of experts (tensors the base lacks) are merged by specmerge.merge",
     "address": "an in-memory merge runs in this process; merge saved folders with specmerge.merge on a Ray cluster",
+    "chat_template": "the chat template goes with a model folder's tokenizer: merge folders with specmerge.merge",
 }
 
 

@@ -1,0 +1,70 @@
+"""Names from other merging tools (mergekit's) that a specmerge recipe does not take, each with what to write instead.
+
+A did-you-mean hint is right for a typo and wrong for another tool's word: mergekit's ``rescale`` is not specmerge's
+``scale``, its ``nuslerp`` is not ``slerp``, its ``models`` list is not ``modules``. An unknown name found here gets
+its own explanation instead of the closest known name (:func:`specmerge.errors.unknown_name_message`'s ``foreign``).
+"""
+
+from __future__ import annotations
+
+GUIDE = "docs/mergekit.md maps mergekit's keys"
+
+# Recipe keys of a mergekit config.
+RECIPE_KEYS: dict[str, str] = {
+    "models": "'models' is mergekit's list of inputs: a specmerge recipe names the fine-tuned models 'experts' and "
+    f"the model they were fine-tuned from 'base' ({GUIDE})",
+    "merge_method": f"'merge_method' is mergekit's key: a specmerge recipe says 'method' ({GUIDE})",
+    "base_model": f"'base_model' is mergekit's key: a specmerge recipe says 'base' ({GUIDE})",
+    "parameters": f"'parameters' is mergekit's key: a specmerge recipe says 'params' ({GUIDE})",
+    "out_dtype": f"'out_dtype' is mergekit's key: a specmerge recipe says 'dtype' for the output ('compute_dtype' for "
+    f"the arithmetic; {GUIDE})",
+    "slices": "'slices' (mergekit's layer ranges, frankenmerges) has no specmerge equivalent yet: a recipe merges "
+    "every tensor of the base",
+    "tokenizer": "'tokenizer' is mergekit's tokenizer section: a specmerge recipe says 'tokenizer_source' (union, "
+    "base or an expert's name)",
+}
+
+# Method parameters of mergekit that are not specmerge's, whatever the method.
+PARAMS: dict[str, str] = {
+    "lambda": "'lambda' is mergekit's name for the factor on the merged task vector: specmerge's is 'scale'",
+    "rescale": "'rescale' is mergekit's switch of DARE / DELLA's rescaling: specmerge's DARE and DELLA always divide "
+    "each kept entry by its keep probability, as the papers do, and have no switch to turn that off",
+    "int8_mask": "'int8_mask' only saves memory in mergekit (its sign masks in int8): specmerge's masks are boolean "
+    "already; remove it",
+    "weight": "per-expert weights are not a method parameter: give them with the experts "
+    "(experts: [{path: ..., weight: 0.6}], expert_weights: [...] or --weight)",
+    "normalize": "'normalize' is a parameter of specmerge's 'linear' only: its TIES-family methods always take the "
+    "(weighted) mean of the entries that agree in sign",
+    "filter_wise": "'filter_wise' is a parameter of specmerge's 'model_stock' only",
+}
+
+# mergekit's DARE spells the share kept; specmerge's the share dropped.
+DARE_DENSITY = (
+    "'density' is mergekit's share of entries kept; specmerge's DARE takes the share dropped: drop_rate = 1 - density"
+)
+DARE_METHODS = frozenset({"dare_ties", "dare_task_arithmetic", "dare_linear"})
+
+# mergekit's methods that specmerge does not have; none of them is the closest name's method.
+METHODS: dict[str, str] = {
+    name: f"'{name}' is a mergekit method that specmerge does not implement yet ({what}); it is not the same as any "
+    "method specmerge has: `specmerge methods` lists them"
+    for name, what in {
+        "nuslerp": "slerp of two models' weights or task vectors, row- or column-wise",
+        "multislerp": "spherical interpolation of several models",
+        "karcher": "the Karcher mean of several models on the sphere",
+        "sce": "select, calculate and erase by variance",
+        "nearswap": "interpolation where two models' weights are close",
+        "passthrough": "copying layers through, for frankenmerges",
+        "arcee_fusion": "Arcee's importance-weighted fusion",
+        "ram": "reinforced agent merging",
+        "ramplus_tl": "reinforced agent merging plus",
+        "breadcrumbs_ties": "breadcrumbs sparsification with TIES sign election",
+    }.items()
+}
+
+
+def param_hint(method: str, name: str) -> str | None:
+    """What to write instead of ``name``, a parameter method ``method`` does not have, when it is mergekit's."""
+    if name == "density" and method in DARE_METHODS:
+        return DARE_DENSITY
+    return PARAMS.get(name)
