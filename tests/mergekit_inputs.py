@@ -1,0 +1,74 @@
+"""The tiny models of the mergekit corpus (tests/mergekit_corpus, issue 51): a 4-layer Llama base and three experts,
+built the same way by bench/mergekit_reference.py (which runs mergekit on them once, for the committed reference
+outputs) and by the tests (which run specmerge on them and compare). Each config names its models ``$base``,
+``$e0``, ``$e1``, ``$e2``; :func:`render` puts the folders in."""
+
+from __future__ import annotations
+
+import hashlib
+import string
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import load_file
+
+CORPUS = Path(__file__).parent / "mergekit_corpus"
+REFERENCES = Path(__file__).parent / "data" / "mergekit"
+NAMES = ("base", "e0", "e1", "e2")
+
+
+def build_inputs(root: Path) -> dict[str, Path]:
+    """The base (random, seed 0) and three experts (base + a rank-2 update and small noise on every floating
+    tensor, seeds 1-3: about 15 % of the base's weights, far enough apart for slerp's arcs, near enough to pass
+    for fine-tunes), saved in float32 under ``root``; their folders by name."""
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    folders = {"base": root / "base"}
+    model.save_pretrained(folders["base"])
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    for i in range(3):
+        g = torch.Generator().manual_seed(i + 1)
+        state = {}
+        for name, value in base.items():
+            if value.dim() == 2:
+                u, v = torch.randn(value.shape[0], 2, generator=g), torch.randn(2, value.shape[1], generator=g)
+                delta = 0.004 * (u @ v) / 2 + 0.001 * torch.randn(value.shape, generator=g)  # ~15 % of W_0
+            else:
+                delta = 0.01 * torch.randn(value.shape, generator=g)
+            state[name] = value + delta
+        model.load_state_dict(state)
+        folders[f"e{i}"] = root / f"e{i}"
+        model.save_pretrained(folders[f"e{i}"])
+    return folders
+
+
+def inputs_digest(folders: dict[str, Path]) -> str:
+    """A hash of the inputs' tensors (names, dtypes, shapes, bytes), to check that the tests rebuilt the very models
+    the references were made from."""
+    digest = hashlib.sha256()
+    for name in NAMES:
+        state = load_file(folders[name] / "model.safetensors")
+        for key in sorted(state):
+            tensor = state[key].contiguous()
+            digest.update(f"{name}|{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def configs() -> list[Path]:
+    """The corpus's configs, by name."""
+    return sorted(CORPUS.glob("*.yaml"))
+
+
+def render(config: Path, folders: dict[str, Path]) -> str:
+    """The config's text with the models' folders in place of ``$base``, ``$e0``, ..."""
+    return string.Template(config.read_text()).substitute({name: str(path) for name, path in folders.items()})
+
+
+def config_digest(config: Path) -> str:
+    return hashlib.sha256(config.read_bytes()).hexdigest()
