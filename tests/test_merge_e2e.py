@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from specmerge import all_methods, get_method
 from specmerge.cli import main
 from specmerge.pipeline.run.api import merge
-from tiny_models import ARCHITECTURES, build_family, dummy_inputs
+from tiny_models import ARCHITECTURES, build_family, dummy_inputs, one_expert_method
 
 KEYS = ["math", "code", "chat"]
 FAST = {"steps": 3}  # iterative methods: a few steps keep the suite fast; the math is tested elsewhere
@@ -47,7 +47,7 @@ def expected_tensor(row: dict, base: dict, experts: list[dict], params: dict) ->
         delta = stack.mean(dim=0)
     else:
         method = get_method(row["method"])
-        whole = {"base": b.float()} if method.needs_base else {}  # slerp
+        whole = {"base": b.float()} if method.needs_base else {}  # slerp, karcher
         delta = method(stack, tensor_name=name, **whole, **params).delta  # DARE: seeded by content
     return (b.float() + delta).to(b.dtype)
 
@@ -58,7 +58,7 @@ def test_merge_every_method_golden_and_loadable(families, tmp_path, arch, method
     base_dir, expert_dirs = families[arch]
     out = tmp_path / "merged"
     params = method_params(method)
-    if get_method(method).needs_base:  # slerp: the base and one expert
+    if one_expert_method(get_method(method)):  # slerp, nearswap: the base and one expert
         expert_dirs = expert_dirs[:1]
     keys = KEYS[: len(expert_dirs)]
     report = merge(base_dir, expert_dirs, out, method=method, params=params, expert_keys=keys, progress=False)

@@ -58,6 +58,9 @@ EXPRESSED: dict[str, tuple[str, list[str], dict]] = {
     ),
     "ties-defaults": ("base", ["e0", "e1"], {"method": "ties", "params": {"density": 1.0}}),
     "model-stock": ("base", ["e0", "e1", "e2"], {"method": "model_stock"}),
+    "nearswap": ("base", ["e0"], {"method": "nearswap", "params": {"t": 0.01}}),
+    "karcher": ("base", ["e0", "e1", "e2"], {"method": "karcher"}),
+    "multislerp-base": ("base", ["e0", "e1", "e2"], {"method": "multislerp", "expert_weights": [1.0, 1.0, 0.5]}),
 }
 
 # config -> what specmerge lacks to run it with mergekit's meaning (issue 51).
@@ -73,10 +76,7 @@ PENDING: dict[str, str] = {
     "dare-linear": "random masks: compared in distribution",
     "della": "DELLA's L1 rescale; random masks: compared in distribution",
     "della-linear": "DELLA's L1 rescale; random masks: compared in distribution",
-    "nearswap": "method nearswap",
-    "karcher": "method karcher",
-    "multislerp": "method multislerp",
-    "multislerp-base": "method multislerp",
+    "multislerp": "without base_model, multislerp of the models' own weights: the dialect's base-free form",
     "nuslerp": "method nuslerp",
     "sce": "method sce",
     "arcee-fusion": "method arcee_fusion",

@@ -129,3 +129,12 @@ def poisoned_copy(model: Path, folder: Path, pick, index: int = 0, value: float 
     tensors[name].view(-1)[index] = value
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     return folder, name
+
+
+def one_expert_method(method) -> bool:
+    """Whether a registered method merges exactly one expert (slerp, nearswap: the base is the other model)."""
+    try:
+        method.validate({}, 2)
+    except ValueError:
+        return True
+    return False

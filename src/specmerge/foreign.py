@@ -50,10 +50,7 @@ METHODS: dict[str, str] = {
     "method specmerge has: `specmerge methods` lists them"
     for name, what in {
         "nuslerp": "slerp of two models' weights or task vectors, row- or column-wise",
-        "multislerp": "spherical interpolation of several models",
-        "karcher": "the Karcher mean of several models on the sphere",
         "sce": "select, calculate and erase by variance",
-        "nearswap": "interpolation where two models' weights are close",
         "passthrough": "copying layers through, for frankenmerges",
         "arcee_fusion": "Arcee's importance-weighted fusion",
         "ram": "reinforced agent merging",

@@ -1,0 +1,145 @@
+"""Means on the sphere of N models, as mergekit defines them: Multi-SLERP (a barycentre of the experts' task vectors
+by one tangent-space step) and the Karcher mean (of the experts' weights, by Riemannian gradient steps), and
+NearSwap (the base, except where an expert is within t of it).
+
+Each flattened tensor is a point: its direction on the unit sphere, its length put back at the end as the
+(weighted) mean of the inputs' lengths. The arithmetic is in the compute dtype, as mergekit's is in the tensors'
+(float32 for half inputs); the reductions are ``torch.linalg.vector_norm`` and dot products of whole tensors. The
+outputs agree with mergekit 0.1.5's to float32 round-off (tests/test_mergekit_corpus.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specmerge.methods.operations import Operations, Shape, numel, passes
+from specmerge.methods.registry import LayerResult, register
+
+MULTISLERP_CITATION = "Goddard, Multi-SLERP (2025), as mergekit's multislerp"
+KARCHER_CITATION = "Karcher, Riemannian center of mass and mollifier smoothing, 1977 (as mergekit's karcher)"
+NEARSWAP_CITATION = "alchemonaut, NearSwap (QuartetAnemoi-70B, 2024), as mergekit's nearswap"
+
+
+def _per_expert_passes(factor: float) -> object:
+    def cost(shape: Shape, itemsize: int, params: dict) -> Operations:
+        n, elements = shape[0], numel(shape[1:])
+        return passes(factor * (n + 2), elements, itemsize) + Operations(workspace=(n + 2) * elements * itemsize)
+
+    return cost
+
+
+def _two_or_more(params: dict, n: int | None) -> None:
+    if n is not None and n < 2:
+        raise ValueError(f"it is a mean of several experts; got {n}")
+
+
+def _one(params: dict, n: int | None) -> None:
+    if n is not None and n != 1:
+        raise ValueError(f"it swaps in one expert's weights near the base's, but {n} experts were given: give one")
+
+
+def _mergekit_method(name: str, citation: str, title: str, passes_per_expert: float, check, **more):
+    """The registration these share: elementwise over whole tensors, not in the demo's or the benchmark's lists."""
+    cost = _per_expert_passes(passes_per_expert)
+    return register(name, citation=citation, title=title, needs_matrix=False, cost=cost, check=check, featured=False,
+                    settings=(), **more)  # fmt: skip
+
+
+@_mergekit_method("multislerp", MULTISLERP_CITATION, "Multi-SLERP", 4, _two_or_more, weights="any")
+def multislerp(
+    task_vectors: torch.Tensor,
+    *,
+    normalize_weights: bool = True,
+    eps: float = 1e-8,
+    weights: Sequence[float] | None = None,
+) -> LayerResult:
+    """Multi-SLERP: the weighted barycentre of the task vectors on the sphere, by one step in the tangent space.
+
+    Each tau_i (flattened) is u_i = tau_i / (||tau_i|| + eps) on the unit sphere; m is the normalized weighted mean
+    of the u_i; the weighted mean of their projections on m's tangent space, v, is mapped back by the exponential
+    map, m cos ||v|| + v sin ||v|| / ||v||, and scaled by the weighted mean of the ||tau_i||. Two experts whose
+    weighted directions cancel are averaged linearly; more are refused (no barycentre).
+
+    Args:
+        normalize_weights: divide the expert weights (default all 1) by their sum.
+        eps: added to the norms it divides by.
+    """
+    n = task_vectors.shape[0]
+    flat = task_vectors.reshape(n, -1)
+    w = torch.ones(n, dtype=flat.dtype, device=flat.device) if weights is None else flat.new_tensor(list(weights))
+    if normalize_weights:
+        w = w / w.sum()
+    norms = torch.linalg.vector_norm(flat, dim=1, keepdim=True)
+    units = flat / (norms + eps)
+    mean = (units * w[:, None]).sum(dim=0)
+    mean_norm = torch.linalg.vector_norm(mean)
+    if mean_norm < eps:
+        if n == 2:
+            return LayerResult((flat[0] * w[0] + flat[1] * w[1]).reshape(task_vectors.shape[1:]), {"n_experts": n})
+        raise ValueError("the experts' weighted directions cancel out: no barycentre on the sphere; change the weights")
+    mean = mean / mean_norm
+    tangents = units - (units * mean).sum(dim=1, keepdim=True) * mean
+    step = (tangents * w[:, None]).sum(dim=0)
+    length = torch.linalg.vector_norm(step) + eps
+    point = mean * torch.cos(length) + step * (torch.sin(length) / length)
+    delta = point * (norms[:, 0] * w).sum()
+    return LayerResult(delta.reshape(task_vectors.shape[1:]), {"n_experts": n, "tangent_step": float(length)})
+
+
+@_mergekit_method("karcher", KARCHER_CITATION, "Karcher mean", 30, _two_or_more)
+def karcher(task_vectors: torch.Tensor, *, max_iter: int = 10, tol: float = 1e-5, base: torch.Tensor) -> LayerResult:
+    """Karcher mean: the point of the unit sphere nearest, in summed squared arc length, to the experts' weights
+    (W_i = W_0 + tau_i, flattened and normalized), found by Riemannian gradient steps from their normalized mean,
+    scaled by the mean of their norms. The base is not one of the points (mergekit's karcher without base_model).
+
+    An expert of norm <= tol takes no part in the direction (its norm still counts in the length); a step of
+    norm < tol, or ``max_iter`` steps, ends the iteration; a point within an angle tol of the mean adds nothing.
+
+    Args:
+        max_iter: at most this many gradient steps.
+        tol: the norm, step and angle below which the iteration treats a quantity as zero.
+    """
+    n = task_vectors.shape[0]
+    points = (task_vectors + base).reshape(n, -1)
+    norms = [torch.linalg.vector_norm(p) for p in points]
+    units = [p / r if float(r) != 0.0 else torch.zeros_like(p) for p, r in zip(points, norms, strict=True)]
+    alive = [k for k, r in enumerate(norms) if float(r) > tol]
+    if not alive:
+        return LayerResult(-base.clone(), {"n_experts": n, "karcher_steps": 0})  # every weight is 0: so is the mean
+    share = 1.0 / len(alive)
+    mean = sum(share * units[k] for k in alive)
+    mean_norm = torch.linalg.vector_norm(mean)
+    mean = units[alive[0]].clone() if float(mean_norm) < tol else mean / mean_norm
+    steps = 0
+    for steps in range(1, max_iter + 1):  # noqa: B007 (the count is reported)
+        tangent = torch.zeros_like(mean)
+        for k in alive:
+            dot = torch.clamp(torch.dot(mean, units[k]), -1.0, 1.0)
+            theta = torch.arccos(dot)
+            if float(theta) < tol:
+                continue
+            tangent += share * (theta / torch.sin(theta)) * (units[k] - dot * mean)
+        length = torch.linalg.vector_norm(tangent)
+        if float(length) < tol:
+            break
+        mean = torch.cos(length) * mean + torch.sin(length) * (tangent / length)
+        mean_norm = torch.linalg.vector_norm(mean)
+        if float(mean_norm) > tol:
+            mean = mean / mean_norm
+    merged = sum(r / n for r in norms) * mean
+    return LayerResult((merged.reshape(base.shape) - base), {"n_experts": n, "karcher_steps": steps})
+
+
+@_mergekit_method("nearswap", NEARSWAP_CITATION, "NearSwap", 3, _one)
+def nearswap(task_vectors: torch.Tensor, *, t: float = 0.001) -> LayerResult:
+    """NearSwap: each entry moves from the base toward the one expert by w = clamp(t / |tau|, 0, 1): all the way
+    where the two are within t (|tau| <= t), less the further apart they are (|tau| below 1e-6 counts as 1e-6).
+
+    Args:
+        t: the distance within which the expert's entry replaces the base's.
+    """
+    tau = task_vectors[0]
+    weight = (t / tau.abs().clamp(min=1e-6)).clamp(min=0, max=1)
+    return LayerResult(weight * tau, {"n_experts": 1, "swapped_fraction": float((weight == 1).float().mean())})

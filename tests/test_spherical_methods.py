@@ -1,0 +1,57 @@
+"""Multi-SLERP, the Karcher mean and NearSwap (issue 51: mergekit's remaining methods): their definitions worked
+out on small cases, and their edges. Agreement with mergekit's own outputs: tests/test_mergekit_corpus.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specmerge.methods import get_method
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def test_multislerp_of_two_unit_vectors_is_the_point_between_them_on_the_arc():
+    a, b = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
+    delta = get_method("multislerp")(torch.stack([a, b])).delta
+    # one tangent step from the normalized mean (1, 1)/sqrt 2: the tangent parts cancel, the mean of lengths is 1
+    torch.testing.assert_close(delta, torch.tensor([1.0, 1.0]) / math.sqrt(2), rtol=0, atol=4 * EPS32)
+    weighted = get_method("multislerp")(torch.stack([2 * a, b]), weights=[3.0, 1.0]).delta
+    assert float(torch.linalg.vector_norm(weighted)) == pytest.approx(0.75 * 2 + 0.25 * 1, rel=1e-6)  # mean length
+    assert weighted[0] > weighted[1] > 0  # nearer the heavier expert
+
+
+def test_multislerp_of_opposite_experts_is_linear_for_two_and_refused_for_more():
+    a = torch.tensor([1.0, 2.0, -1.0])
+    two = get_method("multislerp")(torch.stack([a, -a])).delta
+    torch.testing.assert_close(two, torch.zeros(3))  # the linear fallback: 0.5 a - 0.5 a
+    with pytest.raises(ValueError, match="cancel out"):
+        get_method("multislerp")(torch.stack([a, -a, a, -a]))
+
+
+def test_the_karcher_mean_of_experts_on_one_great_circle_is_their_mean_angle():
+    base = torch.zeros(2)
+    angles = [0.0, 0.4, 1.0]
+    points = torch.stack([torch.tensor([math.cos(x), math.sin(x)]) * (1 + k) for k, x in enumerate(angles)])
+    result = get_method("karcher")(points, base=base)
+    merged = result.delta + base
+    assert math.atan2(float(merged[1]), float(merged[0])) == pytest.approx(sum(angles) / 3, abs=1e-5)
+    assert float(torch.linalg.vector_norm(merged)) == pytest.approx(2.0, rel=1e-6)  # the mean of the lengths 1, 2, 3
+    assert result.diagnostics["karcher_steps"] >= 1
+
+
+def test_karcher_is_of_the_experts_weights_not_their_task_vectors():
+    base = torch.tensor([10.0, 0.0])
+    taus = torch.stack([torch.tensor([0.0, 1.0]), torch.tensor([0.0, -1.0])])
+    merged = get_method("karcher")(taus, base=base).delta + base  # W_i = (10, 1), (10, -1): the mean is on the axis
+    torch.testing.assert_close(merged, torch.tensor([math.hypot(10, 1), 0.0]), rtol=1e-6, atol=1e-6)
+
+
+def test_nearswap_takes_the_expert_within_t_and_moves_part_way_beyond():
+    tau = torch.tensor([[0.0005, -0.002, 0.01, 0.0]])
+    delta = get_method("nearswap")(tau, t=0.001).delta
+    torch.testing.assert_close(delta, torch.tensor([0.0005, -0.001, 0.001, 0.0]), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="give one"):
+        get_method("nearswap").validate({"t": 0.1}, 2)
