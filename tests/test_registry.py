@@ -16,7 +16,7 @@ DISPLAY_ORDER = [
     "weight_average", "task_arithmetic", "linear", "slerp", "model_stock", "ties", "dare_task_arithmetic",
     "dare_linear", "dare_ties", "breadcrumbs", "della", "della_linear", "tsv_m", "iso_c", "closed_form", "wudi",
     "wudi_reference", "optmerge", "optmerge_lora", "swudi", "swudi_a", "spectral_filter", "multislerp", "karcher",
-    "nearswap",
+    "nearswap", "sce",
 ]  # fmt: skip
 EXPECTED = set(DISPLAY_ORDER)
 
@@ -161,7 +161,7 @@ def test_capabilities_are_declared():
     assert {name for name, m in methods.items() if m.needs_base} == {"slerp", "karcher"}
     assert {name for name, m in methods.items() if not m.featured} == {
         "wudi_reference", "optmerge_lora", "spectral_filter", "dare_linear", "slerp", "linear", "multislerp",
-        "karcher", "nearswap",
+        "karcher", "nearswap", "sce",
     }  # fmt: skip
     assert {name: m.variant_of for name, m in methods.items() if m.variant_of} == {
         "dare_ties": "dare_task_arithmetic", "dare_linear": "dare_task_arithmetic", "wudi_reference": "wudi",

@@ -55,3 +55,19 @@ def test_nearswap_takes_the_expert_within_t_and_moves_part_way_beyond():
     torch.testing.assert_close(delta, torch.tensor([0.0005, -0.001, 0.001, 0.0]), rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="give one"):
         get_method("nearswap").validate({"t": 0.1}, 2)
+
+
+def test_sce_selects_by_variance_weighs_by_energy_and_erases_disagreeing_signs():
+    taus = torch.tensor([[1.0, 2.0, 0.0, -1.0], [1.0, -2.0, 0.5, -3.0]])
+    # variance per entry: 0, 4, 1/16, 1 -> select_topk 0.5 keeps floor(0.5 * 3) = 1 of the 3 varying ones: entry 1
+    selected = get_method("sce")(taus, select_topk=0.5)
+    weights = torch.tensor([4.0, 4.0]) / 4  # mean squares of the selected vectors, (0, 2, 0, 0) and (0, -2, 0, 0)
+    w = weights / weights.sum()
+    # entry 1 sums to 0: + is elected, only expert 0 agrees: 2 w_0 / w_0 = 2
+    torch.testing.assert_close(selected.delta, torch.tensor([0.0, 2.0, 0.0, 0.0]))
+    assert selected.diagnostics["sce_weights"] == pytest.approx(w.tolist())
+    full = get_method("sce")(taus).delta
+    energy = taus.square().mean(dim=1)
+    w = energy / energy.sum()
+    expected = torch.tensor([1.0, (2.0 * w[0]) / w[0], 0.5, (-w[0] - 3 * w[1]) / (w[0] + w[1])])
+    torch.testing.assert_close(full, expected)  # entry 2: only expert 1 is non-zero, so only it agrees

@@ -50,7 +50,6 @@ METHODS: dict[str, str] = {
     "method specmerge has: `specmerge methods` lists them"
     for name, what in {
         "nuslerp": "slerp of two models' weights or task vectors, row- or column-wise",
-        "sce": "select, calculate and erase by variance",
         "passthrough": "copying layers through, for frankenmerges",
         "arcee_fusion": "Arcee's importance-weighted fusion",
         "ram": "reinforced agent merging",

@@ -1,6 +1,7 @@
-"""Means on the sphere of N models, as mergekit defines them: Multi-SLERP (a barycentre of the experts' task vectors
-by one tangent-space step) and the Karcher mean (of the experts' weights, by Riemannian gradient steps), and
-NearSwap (the base, except where an expert is within t of it).
+"""mergekit's methods beyond the task-arithmetic family, as mergekit defines them: means on the sphere of N models,
+Multi-SLERP (a barycentre of the experts' task vectors by one tangent-space step) and the Karcher mean (of the experts'
+weights, by Riemannian gradient steps); NearSwap (the base, except where an expert is within t of it); and SCE
+(select by variance, calculate weights, erase by sign).
 
 Each flattened tensor is a point: its direction on the unit sphere, its length put back at the end as the
 (weighted) mean of the inputs' lengths. The arithmetic is in the compute dtype, as mergekit's is in the tensors'
@@ -14,12 +15,15 @@ from collections.abc import Sequence
 
 import torch
 
+from specmerge.linalg.topk import fraction_count, keep_mask, top_k_rule
 from specmerge.methods.operations import Operations, Shape, numel, passes
+from specmerge.methods.params import UnitInterval
 from specmerge.methods.registry import LayerResult, register
 
 MULTISLERP_CITATION = "Goddard, Multi-SLERP (2025), as mergekit's multislerp"
 KARCHER_CITATION = "Karcher, Riemannian center of mass and mollifier smoothing, 1977 (as mergekit's karcher)"
 NEARSWAP_CITATION = "alchemonaut, NearSwap (QuartetAnemoi-70B, 2024), as mergekit's nearswap"
+SCE_CITATION = "Wan et al., FuseChat: Knowledge Fusion of Chat Models (SCE), 2024, as mergekit's sce"
 
 
 def _per_expert_passes(factor: float) -> object:
@@ -143,3 +147,36 @@ def nearswap(task_vectors: torch.Tensor, *, t: float = 0.001) -> LayerResult:
     tau = task_vectors[0]
     weight = (t / tau.abs().clamp(min=1e-6)).clamp(min=0, max=1)
     return LayerResult(weight * tau, {"n_experts": 1, "swapped_fraction": float((weight == 1).float().mean())})
+
+
+@_mergekit_method("sce", SCE_CITATION, "SCE", 6, _two_or_more)
+def sce(task_vectors: torch.Tensor, *, select_topk: UnitInterval = 1.0) -> LayerResult:
+    """SCE (select, calculate, erase) as mergekit merges it: keep the entries where the experts vary most, weigh each
+    expert by its mean squared entry, keep each entry's agreeing signs, take the weighted mean.
+
+    Select: of the entries whose variance over the experts (population) is non-zero, the floor(select_topk * count)
+    of largest variance are kept in every task vector, the others zeroed (ties at the threshold in storage order).
+    Calculate: w_i = mean(tau_i^2) / sum_j mean(tau_j^2) (equal weights where that sum is below 1e-6). Erase: per
+    entry, the sign of the sum over experts is elected (+ where it is 0) and the entries of other sign, zeros
+    included, drop out. merged = W_0 + sum_i w_i tau_i / max(sum_i w_i, 1e-6) over the agreeing experts.
+
+    Args:
+        select_topk: share of the varying entries kept (1 keeps every entry).
+    """
+    n = task_vectors.shape[0]
+    flat = task_vectors.reshape(n, -1)
+    kept = flat.shape[1]
+    if select_topk < 1:
+        variance = flat.var(dim=0, unbiased=False)
+        k = fraction_count(select_topk, int(torch.count_nonzero(variance)), round_up=False)
+        keep = keep_mask(variance, top_k_rule(variance, k)) if k else torch.zeros_like(variance, dtype=torch.bool)
+        flat = flat * keep
+        kept = int(k)
+    energy = flat.square().mean(dim=1)
+    total = float(energy.sum())
+    weights = torch.full_like(energy, 1.0 / n) if abs(total) < 1e-6 else energy / total
+    majority = torch.where(flat.sum(dim=0) >= 0, 1.0, -1.0).to(flat.dtype)
+    agree = (torch.sign(flat) == majority).to(flat.dtype) * weights[:, None]
+    merged = (flat * agree).sum(dim=0) / agree.sum(dim=0).clamp(min=1e-6)
+    diagnostics = {"n_experts": n, "selected_fraction": kept / max(flat.shape[1], 1), "sce_weights": weights.tolist()}
+    return LayerResult(merged.reshape(task_vectors.shape[1:]), diagnostics)
