@@ -52,7 +52,7 @@ def test_a_switch_still_takes_a_boolean():
         ({"method": "dare_ties", "params": {"density": 0.7}}, "drop_rate = 1 - density", "did you mean"),
         ({"method": "ties", "params": {"int8_mask": True}}, "only saves memory", "did you mean"),
         ({"method": "ties", "params": {"weight": 0.5}}, "experts: [{path: ..., weight: 0.6}]", "did you mean"),
-        ({"method": "nuslerp"}, "mergekit method that specmerge does not implement", "'slerp'?"),
+        ({"method": "ramplus_tl"}, "mergekit method that specmerge does not implement", "did you mean"),
         ({"method": "karcher_mean"}, "did you mean 'karcher'", "mergekit method"),
         ({"method": "breadcrumbs_ties"}, "mergekit method that specmerge does not implement", "'breadcrumbs'?"),
         ({"method": "ties", "models": ["a"]}, "'models' is mergekit's list of inputs", "'modules'?"),

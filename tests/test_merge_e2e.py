@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from specmerge import all_methods, get_method
 from specmerge.cli import main
 from specmerge.pipeline.run.api import merge
-from tiny_models import ARCHITECTURES, build_family, dummy_inputs, one_expert_method
+from tiny_models import ARCHITECTURES, build_family, dummy_inputs, expert_count
 
 KEYS = ["math", "code", "chat"]
 FAST = {"steps": 3}  # iterative methods: a few steps keep the suite fast; the math is tested elsewhere
@@ -58,8 +58,7 @@ def test_merge_every_method_golden_and_loadable(families, tmp_path, arch, method
     base_dir, expert_dirs = families[arch]
     out = tmp_path / "merged"
     params = method_params(method)
-    if one_expert_method(get_method(method)):  # slerp, nearswap: the base and one expert
-        expert_dirs = expert_dirs[:1]
+    expert_dirs = expert_dirs[: expert_count(get_method(method), len(expert_dirs))]  # slerp: one, nuslerp: two
     keys = KEYS[: len(expert_dirs)]
     report = merge(base_dir, expert_dirs, out, method=method, params=params, expert_keys=keys, progress=False)
 

@@ -60,6 +60,8 @@ EXPRESSED: dict[str, tuple[str, list[str], dict]] = {
     "model-stock": ("base", ["e0", "e1", "e2"], {"method": "model_stock"}),
     "nearswap": ("base", ["e0"], {"method": "nearswap", "params": {"t": 0.01}}),
     "karcher": ("base", ["e0", "e1", "e2"], {"method": "karcher"}),
+    "nuslerp": ("base", ["e0", "e1"], {"method": "nuslerp", "expert_weights": [0.6, 0.4]}),
+    "arcee-fusion": ("base", ["e0"], {"method": "arcee_fusion"}),
     "sce": ("base", ["e0", "e1", "e2"], {"method": "sce", "params": {"select_topk": 0.5}}),
     "multislerp-base": ("base", ["e0", "e1", "e2"], {"method": "multislerp", "expert_weights": [1.0, 1.0, 0.5]}),
 }
@@ -78,8 +80,6 @@ PENDING: dict[str, str] = {
     "della": "DELLA's L1 rescale; random masks: compared in distribution",
     "della-linear": "DELLA's L1 rescale; random masks: compared in distribution",
     "multislerp": "without base_model, multislerp of the models' own weights: the dialect's base-free form",
-    "nuslerp": "method nuslerp",
-    "arcee-fusion": "method arcee_fusion",
     "passthrough-frankenmerge": "slices / layer_range (frankenmerges)",
 }
 

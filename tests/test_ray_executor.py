@@ -21,7 +21,7 @@ from specmerge.methods import all_methods, get_method
 from specmerge.pipeline.recipe.model import Recipe
 from specmerge.pipeline.run import api
 from test_executor_interface import assert_same_outputs
-from tiny_models import one_expert_method, poisoned_copy, save_adapter
+from tiny_models import expert_count, poisoned_copy, save_adapter
 
 ray = pytest.importorskip("ray")
 from specmerge.pipeline.run.ray_executor import RayExecutor, task_groups  # noqa: E402
@@ -58,7 +58,7 @@ def _both(base, experts, tmp_path, executor=None, **options):
 @pytest.mark.parametrize("method", sorted(all_methods()))
 def test_every_method_writes_the_same_files_through_ray(cluster, demo, tmp_path, method):
     base, experts = demo
-    given = experts[:1] if one_expert_method(get_method(method)) else experts  # slerp: the base and one expert
+    given = experts[: expert_count(get_method(method), len(experts))]  # slerp: the base and one expert
     local, remote = _both(base, given, tmp_path, method=method, params=QUICK.get(method), shard_size="200KB")
     assert len(list((tmp_path / "ray").glob("model-*.safetensors"))) > 1  # several shards, filled by workers
     assert_same_outputs(tmp_path / "local", tmp_path / "ray", local, remote)

@@ -10,13 +10,13 @@ from specmerge.cli import main
 from specmerge.linalg.lowrank import LoraDelta
 from specmerge.methods import Setting, candidate_settings, registry
 from specmerge.methods.params import Positive
-from tiny_models import one_expert_method
+from tiny_models import expert_count
 
 DISPLAY_ORDER = [
     "weight_average", "task_arithmetic", "linear", "slerp", "model_stock", "ties", "dare_task_arithmetic",
     "dare_linear", "dare_ties", "breadcrumbs", "della", "della_linear", "tsv_m", "iso_c", "closed_form", "wudi",
     "wudi_reference", "optmerge", "optmerge_lora", "swudi", "swudi_a", "spectral_filter", "multislerp", "karcher",
-    "nearswap", "sce",
+    "nearswap", "sce", "nuslerp", "arcee_fusion",
 ]  # fmt: skip
 EXPECTED = set(DISPLAY_ORDER)
 
@@ -116,7 +116,7 @@ def test_results_carry_diagnostics_from_the_same_call():
         kwargs = {"steps": 3} if "steps" in {p.name for p in method.params} else {}
         if method.needs_base:  # slerp, karcher: whole weights
             kwargs["base"] = torch.randn(10, 12)
-        result = method(tau[:1] if one_expert_method(method) else tau, **kwargs)
+        result = method(tau[: expert_count(method, len(tau))], **kwargs)
         assert result.delta.shape == (10, 12), name
         assert result.diagnostics["delta_norm"] == pytest.approx(float(result.delta.norm()), rel=1e-6), name
     spectral = get_method("swudi_a")(tau).diagnostics
@@ -155,13 +155,13 @@ def test_capabilities_are_declared():
     }  # fmt: skip
     assert {name for name, m in methods.items() if m.weighting == "any"} == {
         "weight_average", "task_arithmetic", "linear", "breadcrumbs", "dare_task_arithmetic", "dare_linear",
-        "della_linear", "multislerp",
+        "della_linear", "multislerp", "nuslerp",
     }  # fmt: skip
     assert {name for name, m in methods.items() if m.weighting == "positive"} == {"ties", "dare_ties", "della"}
-    assert {name for name, m in methods.items() if m.needs_base} == {"slerp", "karcher"}
+    assert {name for name, m in methods.items() if m.needs_base} == {"slerp", "karcher", "arcee_fusion"}
     assert {name for name, m in methods.items() if not m.featured} == {
         "wudi_reference", "optmerge_lora", "spectral_filter", "dare_linear", "slerp", "linear", "multislerp",
-        "karcher", "nearswap", "sce",
+        "karcher", "nearswap", "sce", "nuslerp", "arcee_fusion",
     }  # fmt: skip
     assert {name: m.variant_of for name, m in methods.items() if m.variant_of} == {
         "dare_ties": "dare_task_arithmetic", "dare_linear": "dare_task_arithmetic", "wudi_reference": "wudi",

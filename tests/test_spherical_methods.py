@@ -71,3 +71,27 @@ def test_sce_selects_by_variance_weighs_by_energy_and_erases_disagreeing_signs()
     w = energy / energy.sum()
     expected = torch.tensor([1.0, (2.0 * w[0]) / w[0], 0.5, (-w[0] - 3 * w[1]) / (w[0] + w[1])])
     torch.testing.assert_close(full, expected)  # entry 2: only expert 1 is non-zero, so only it agrees
+
+
+def test_nuslerp_of_two_orthogonal_task_vectors_follows_the_arc_at_the_weights_ratio():
+    a, b = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 2.0])
+    delta = get_method("nuslerp")(torch.stack([a, b]), weights=[3.0, 1.0]).delta  # t = 1/4 of the way to b
+    angle = math.pi / 2 / 4
+    torch.testing.assert_close(delta, 2 * torch.tensor([math.cos(angle), math.sin(angle)]), rtol=1e-6, atol=1e-6)
+    collinear = get_method("nuslerp")(torch.stack([a, 3 * a])).delta  # linear where they are collinear
+    torch.testing.assert_close(collinear, 2 * a)
+    rows = torch.stack([torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([[0.0, 1.0], [1.0, 0.0]])])
+    per_row = get_method("nuslerp")(rows, flatten=False).delta  # each row on its own arc
+    torch.testing.assert_close(per_row, torch.full((2, 2), math.sqrt(0.5)), rtol=1e-6, atol=1e-6)
+
+
+def test_arcee_fusion_takes_the_expert_only_where_importance_is_an_outlier():
+    base = torch.zeros(1, 16)
+    tau = torch.zeros(1, 1, 16)
+    tau[0, 0, :15] = torch.linspace(1e-4, 1e-3, 15)  # small moves, spread: quartiles apart
+    tau[0, 0, 15] = 2.0  # one entry moves far: its importance is the outlier
+    result = get_method("arcee_fusion")(tau, base=base)
+    expected = torch.zeros(1, 16)
+    expected[0, 15] = 2.0
+    torch.testing.assert_close(result.delta, expected)
+    assert result.diagnostics["fused_fraction"] == pytest.approx(1 / 16)

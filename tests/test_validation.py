@@ -35,7 +35,7 @@ from specmerge.pipeline.recipe.model import Recipe, RecipeError, load_recipe
 from specmerge.pipeline.run import api, work
 from specmerge.pipeline.run.compute import merged_delta
 from specmerge.pipeline.run.finite import NonFiniteInput
-from tiny_models import one_expert_method
+from tiny_models import expert_count
 
 WEIGHT = "model.layers.0.self_attn.q_proj.weight"
 NORM = "model.layers.0.input_layernorm.weight"
@@ -85,7 +85,8 @@ QUICK = {"wudi": {"steps": 3}, "wudi_reference": {"steps": 3}, "optmerge": {"ste
 def test_nonfinite_expert_is_refused_by_every_method(tmp_path, method):
     nan_inf = {7: float("nan"), 20: float("inf")}
     base, experts = family(tmp_path, poison={(1, WEIGHT): nan_inf})
-    given = experts[1:2] if one_expert_method(get_method(method)) else experts  # slerp: the base, the poisoned one
+    n = expert_count(get_method(method), len(experts))
+    given = experts[:n] if n > 1 else experts[1:2]  # the poisoned expert (index 1) among them
     with pytest.raises(NonFiniteError) as caught:
         api.merge(base, given, tmp_path / "out", method=method, params=QUICK.get(method), progress=False)
     message = str(caught.value)

@@ -131,10 +131,13 @@ def poisoned_copy(model: Path, folder: Path, pick, index: int = 0, value: float 
     return folder, name
 
 
-def one_expert_method(method) -> bool:
-    """Whether a registered method merges exactly one expert (slerp, nearswap: the base is the other model)."""
-    try:
-        method.validate({}, 2)
-    except ValueError:
-        return True
-    return False
+def expert_count(method, available: int) -> int:
+    """How many of ``available`` experts to give a registered method: all, or the fewest its check asks for (slerp,
+    nearswap, arcee_fusion: one, the base being the other model; nuslerp: two)."""
+    for n in dict.fromkeys((available, 2, 1)):
+        try:
+            method.validate({}, n)
+            return n
+        except ValueError:
+            continue
+    raise ValueError(f"method '{method.name}' takes none of {available}, 2 or 1 experts")

@@ -49,9 +49,7 @@ METHODS: dict[str, str] = {
     name: f"'{name}' is a mergekit method that specmerge does not implement yet ({what}); it is not the same as any "
     "method specmerge has: `specmerge methods` lists them"
     for name, what in {
-        "nuslerp": "slerp of two models' weights or task vectors, row- or column-wise",
         "passthrough": "copying layers through, for frankenmerges",
-        "arcee_fusion": "Arcee's importance-weighted fusion",
         "ram": "reinforced agent merging",
         "ramplus_tl": "reinforced agent merging plus",
         "breadcrumbs_ties": "breadcrumbs sparsification with TIES sign election",

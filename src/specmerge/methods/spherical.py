@@ -1,7 +1,8 @@
 """mergekit's methods beyond the task-arithmetic family, as mergekit defines them: means on the sphere of N models,
 Multi-SLERP (a barycentre of the experts' task vectors by one tangent-space step) and the Karcher mean (of the experts'
-weights, by Riemannian gradient steps); NearSwap (the base, except where an expert is within t of it); and SCE
-(select by variance, calculate weights, erase by sign).
+weights, by Riemannian gradient steps) and NuSLERP (slerp of two task vectors); NearSwap (the base, except where an
+expert is within t of it); Arcee Fusion (an expert's entries where they matter most); and SCE (select by variance,
+calculate weights, erase by sign).
 
 Each flattened tensor is a point: its direction on the unit sphere, its length put back at the end as the
 (weighted) mean of the inputs' lengths. The arithmetic is in the compute dtype, as mergekit's is in the tensors'
@@ -23,6 +24,8 @@ from specmerge.methods.registry import LayerResult, register
 MULTISLERP_CITATION = "Goddard, Multi-SLERP (2025), as mergekit's multislerp"
 KARCHER_CITATION = "Karcher, Riemannian center of mass and mollifier smoothing, 1977 (as mergekit's karcher)"
 NEARSWAP_CITATION = "alchemonaut, NearSwap (QuartetAnemoi-70B, 2024), as mergekit's nearswap"
+NUSLERP_CITATION = "mergekit's nuslerp (Goddard, 2024): slerp of two task vectors at their weights' ratio"
+ARCEE_FUSION_CITATION = "Arcee AI, Arcee Fusion (2025), as mergekit's arcee_fusion"
 SCE_CITATION = "Wan et al., FuseChat: Knowledge Fusion of Chat Models (SCE), 2024, as mergekit's sce"
 
 
@@ -180,3 +183,68 @@ def sce(task_vectors: torch.Tensor, *, select_topk: UnitInterval = 1.0) -> Layer
     merged = (flat * agree).sum(dim=0) / agree.sum(dim=0).clamp(min=1e-6)
     diagnostics = {"n_experts": n, "selected_fraction": kept / max(flat.shape[1], 1), "sce_weights": weights.tolist()}
     return LayerResult(merged.reshape(task_vectors.shape[1:]), diagnostics)
+
+
+def _two(params: dict, n: int | None) -> None:
+    if n is not None and n != 2:
+        raise ValueError(f"it interpolates between two experts' task vectors, but {n} experts were given: give two")
+
+
+@_mergekit_method("nuslerp", NUSLERP_CITATION, "NuSLERP", 6, _two, weights="any")
+def nuslerp(
+    task_vectors: torch.Tensor,
+    *,
+    row_wise: bool = False,
+    flatten: bool = True,
+    weights: Sequence[float] | None = None,
+) -> LayerResult:
+    """NuSLERP (mergekit's, with a base): slerp between the two experts' task vectors at t = w_1 / (w_0 + w_1)
+    (0.5 where the weights sum to about 0; default weights 1, 1).
+
+    On the flattened task vectors (``flatten``), or else vector by vector along the last axis (rows of a 2-D
+    weight), or with ``row_wise`` along the first axis (its columns): u = tau_0 / |tau_0|, v = tau_1 / |tau_1|,
+    theta = arccos(u . v), merged = (sin((1 - t) theta) tau_0 + sin(t theta) tau_1) / sin theta; where
+    1 - cos^2 theta <= 1e-16 (collinear), the linear (1 - t) tau_0 + t tau_1.
+
+    Args:
+        row_wise: interpolate the vectors along the first axis (mergekit's nuslerp_row_wise), when not flattened.
+        flatten: interpolate each tensor as one vector (mergekit's nuslerp_flatten).
+    """
+    w = [1.0, 1.0] if weights is None else [float(x) for x in weights]
+    t = 0.5 if abs(sum(w)) < 1e-6 else w[1] / sum(w)
+    a, b = task_vectors[0], task_vectors[1]
+    if flatten:
+        a, b = a.reshape(-1), b.reshape(-1)
+    elif row_wise:
+        a, b = a.transpose(0, -1), b.transpose(0, -1)
+    unit_a = a / torch.linalg.vector_norm(a, dim=-1, keepdim=True).clamp(min=1e-7)
+    unit_b = b / torch.linalg.vector_norm(b, dim=-1, keepdim=True).clamp(min=1e-7)
+    cos = (unit_a * unit_b).sum(dim=-1, keepdim=True).clamp(-1, 1)
+    collinear = (1 - cos.square()) <= 1e-16
+    theta = torch.acos(torch.where(collinear, 0.0, cos))
+    arc = (torch.sin((1 - t) * theta) * a + torch.sin(t * theta) * b) / torch.sin(theta)
+    merged = torch.where(collinear, (1 - t) * a + t * b, arc)
+    if row_wise and not flatten:
+        merged = merged.transpose(0, -1)
+    return LayerResult(merged.reshape(task_vectors.shape[1:]), {"n_experts": 2, "t": t})
+
+
+@_mergekit_method("arcee_fusion", ARCEE_FUSION_CITATION, "Arcee Fusion", 8, _one)
+def arcee_fusion(task_vectors: torch.Tensor, *, base: torch.Tensor) -> LayerResult:
+    """Arcee Fusion (mergekit's): take the expert's entries where they matter most, the base's elsewhere.
+
+    Importance = |tau| times the KL divergence, row by row along the last axis, of softmax(W_1) from softmax(W_0)
+    (each + 1e-8); the entries whose importance is at least median + 1.5 (q3 - q1) move to the expert's value. The
+    quartiles are order statistics of the sorted importances at floor(q (n - 1)), computed over all of them
+    (mergekit samples a million at random in tensors larger than that; here they are exact and reproducible).
+    """
+    tau = task_vectors[0]
+    expert = base + tau
+    p = torch.softmax(expert, dim=-1) + 1e-8
+    q = torch.softmax(base, dim=-1) + 1e-8
+    importance = tau.abs() * (p * torch.log(p / q)).sum(dim=-1, keepdim=True)
+    ordered = torch.sort(importance.reshape(-1)).values
+    last = ordered.numel() - 1
+    q1, median, q3 = (ordered[int(f * last)] for f in (0.25, 0.5, 0.75))
+    keep = importance >= median + 1.5 * (q3 - q1)
+    return LayerResult(tau * keep, {"n_experts": 1, "fused_fraction": float(keep.float().mean())})
