@@ -17,6 +17,7 @@ import transformers
 import specmerge
 from specmerge.errors import RecipeError
 from specmerge.io.output.folder import OUTPUT_LOG
+from specmerge.pipeline.recipe.model import Recipe
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import build_family
@@ -103,3 +104,8 @@ def test_no_template_anywhere_says_nothing_and_a_bad_choice_is_one_line(tmp_path
         specmerge.merge(base, experts, tmp_path / "bad", method="task_arithmetic", chat_template="chatml")
     with pytest.raises(RecipeError, match="option 'chat_template' does not apply to an in-memory merge"):
         specmerge.merge_state_dicts({}, [{}], chat_template="base")
+
+
+def test_an_adapter_has_no_chat_template_to_choose():
+    with pytest.raises(RecipeError, match="chat_template applies to a merged model"):
+        Recipe.from_dict({"base": "base", "experts": ["a"], "output_format": "lora", "chat_template": "base"})

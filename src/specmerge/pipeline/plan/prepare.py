@@ -88,10 +88,12 @@ def prepare_merge(stack: ExitStack, recipe: Recipe, output: str | Path | None) -
     if license:
         notes["license"] = license
     summary = summarize(plan)
-    keys = list(recipe.expert_keys or recipe.experts)
-    template = choose_template(recipe.chat_template, base_path, expert_paths, keys)  # experts that differ: refused
-    if template.source != "none":
-        notes["chat_template"] = template.source
+    template = None  # an adapter carries no tokenizer files: no template to choose
+    if recipe.output_format == "model":
+        keys = list(recipe.expert_keys or recipe.experts)
+        template = choose_template(recipe.chat_template, base_path, expert_paths, keys)  # experts that differ: refused
+        if template.source != "none":
+            notes["chat_template"] = template.source
     return PreparedMerge(
         recipe, base, experts, plan, summary, base_path, expert_paths, config_path, notes, resolved, aligned.vocabulary,
         base_opened if quantization[0] else None, template,

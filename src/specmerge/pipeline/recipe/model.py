@@ -342,12 +342,11 @@ class Recipe(BaseModel):
     def _lora_only_options(self) -> Recipe:
         if self.max_rank is not None and self.output_format != "lora":
             raise RecipeError("max_rank applies only to output_format lora; remove it or set output_format: lora")
-        if self.quantize != "none" and self.output_format != "model":
-            raise RecipeError("quantize applies to a merged model (output_format model), not to an adapter")
+        for key in ("quantize", "chat_template"):  # set (not at its default) for an adapter, which has neither
+            if getattr(self, key) not in ("none", None, "auto") and self.output_format != "model":
+                raise RecipeError(f"{key} applies to a merged model (output_format model), not to an adapter")
         if self.address is not None and self.executor != "ray":
-            raise RecipeError(
-                "address is a Ray cluster's: it applies only to executor ray; remove it or set executor: ray"
-            )
+            raise RecipeError("address (a Ray cluster) applies only to executor ray; remove it or set executor: ray")
         merging = [(o.method or self.method, o.params) for o in self.overrides if o.action == "merge"]
         check_weights(self.expert_weights, [(self.method, self.params), *merging])
         return self
