@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from specmerge.linalg.topk import fraction_count, keep_mask, top_k_rule
-from specmerge.methods.operations import Operations, Shape, numel, passes
+from specmerge.methods.operations import CostFunction, Operations, Shape, numel, passes
 from specmerge.methods.params import UnitInterval
 from specmerge.methods.registry import LayerResult, register
 
@@ -29,7 +29,7 @@ ARCEE_FUSION_CITATION = "Arcee AI, Arcee Fusion (2025), as mergekit's arcee_fusi
 SCE_CITATION = "Wan et al., FuseChat: Knowledge Fusion of Chat Models (SCE), 2024, as mergekit's sce"
 
 
-def _per_expert_passes(factor: float) -> object:
+def _per_expert_passes(factor: float) -> CostFunction:
     def cost(shape: Shape, itemsize: int, params: dict) -> Operations:
         n, elements = shape[0], numel(shape[1:])
         return passes(factor * (n + 2), elements, itemsize) + Operations(workspace=(n + 2) * elements * itemsize)

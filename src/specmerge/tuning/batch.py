@@ -254,6 +254,5 @@ def _run_alone(
     if options.device.type == "cuda":  # batches and the CPU for what does not fit, as run_recipe plans them
         from specmerge.pipeline.run import device_plan
 
-        planned, sizes = device_plan.plan_for(job, prepared.recipe, options.device)
-        device_plan.apply(job, executor, planned, sizes)
+        device_plan.plan_and_apply(job, executor, prepared.recipe)
     executor.run(job, progress=False)

@@ -42,9 +42,11 @@ from specmerge.tuning.spectral_cache import (
 
 @dataclass
 class _Read(Inputs):
-    """A layer's inputs (staged on the device when the job stages them) and its entry's key."""
+    """A layer's inputs (staged on the device when the job stages them), its entry's key and the spectra the cache
+    lacks for it (looked up once, when read)."""
 
     key: str = ""
+    missing: tuple[str, ...] = ()
 
 
 class CacheBuild:
@@ -84,33 +86,29 @@ class CacheBuild:
         values = [expert.read(item.name) for expert in self.prepared.experts]
         o, device = self.options, self._device(item)
         key = content_key(item.entry, base, values, compute_dtype=o.compute_dtype, device=device, code=self._code)
-        return _Read(base, values, key=key)
+        missing = tuple(k for k in spectrum_kinds(item.entry, self.kept) if not self.cache.has(key, self.tau_inits, k))
+        return _Read(base, values, key=key, missing=missing)
 
     def stage(self, item: WorkItem, inputs: _Read) -> _Read:
         """On a GPU, the layer's inputs copied there on a side stream while the previous layer is decomposed (as a
         merge stages them: :func:`~specmerge.pipeline.run.work.stage_inputs`); as they are on the CPU. Copied only
         when the layer is decomposed there and the cache lacks it."""
         device = self._device(item)
-        if device.type != "cuda" or self._missing(item, inputs.key) == []:
+        if device.type != "cuda" or not inputs.missing:
             return inputs
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         staged = stage_inputs(inputs, device, self._stream)
-        return _Read(staged.base, staged.values, staged.ready, key=inputs.key)
-
-    def _missing(self, item: WorkItem, key: str) -> list[str]:
-        kinds = spectrum_kinds(item.entry, self.kept)
-        return [kind for kind in kinds if not self.cache.has(key, self.tau_inits, kind)]
+        return _Read(staged.base, staged.values, staged.ready, key=inputs.key, missing=inputs.missing)
 
     def compute(self, item: WorkItem, inputs: _Read) -> Outcome:
         self.keys[item.name] = inputs.key
-        missing = self._missing(item, inputs.key)
-        if not missing:
+        if not inputs.missing:
             return Outcome(None, {"cached": True})
         o = dataclasses.replace(self.options, device=self._device(item))
         stack = spectral_stack(item.entry, inputs.base, inputs.values, device=o.device, compute_dtype=o.compute_dtype)
         layer, files = FreshLayer(stack), {}
-        for kind in missing:
+        for kind in inputs.missing:
             kind_files, meta = entry_files(layer, self.tau_inits, partial=kind == "partial", kept=self.kept)
             files |= kind_files
         return Outcome((inputs.key, files, meta), {"cached": False})

@@ -222,9 +222,7 @@ def _write_model(
         if options.device.type == "cuda":  # batches and the CPU for what does not fit, by the device's memory
             from specmerge.pipeline.run import device_plan
 
-            planned, sizes = device_plan.plan_for(job, prepared.recipe, options.device)
-            device_plan.apply(job, executor, planned, sizes)
-            extra["device_plan"] = planned.describe()
+            extra["device_plan"] = device_plan.plan_and_apply(job, executor, prepared.recipe).describe()
         reports = executor.run(job, progress=progress)
     model_files(prepared, folder, None if quantizer is None else quantizer.config)
     if quantizer is None:

@@ -71,6 +71,13 @@ def plan_for(job: ModelJob, recipe: Recipe, device: torch.device | None) -> tupl
     return plan, sizes
 
 
+def plan_and_apply(job: ModelJob, executor: Any, recipe: Recipe) -> DevicePlan:
+    """The device plan of ``job`` on its (CUDA) device (:func:`plan_for`), applied (:func:`apply`)."""
+    plan, sizes = plan_for(job, recipe, job.options.device)
+    apply(job, executor, plan, sizes)
+    return plan
+
+
 def apply(job: ModelJob, executor: Any, plan: DevicePlan, sizes: dict[Hashable, int]) -> None:
     """Batch sizes for the streaming executor and the CPU for the layers that do not fit, each said on the console."""
     if not plan.groups:  # no spectral layer: nothing to batch or to send to the CPU
