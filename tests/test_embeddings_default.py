@@ -78,6 +78,17 @@ def test_a_method_of_linear_layers_averages_them_and_says_so(tmp_path, family, c
     assert not torch.equal(out[HEAD], explicit[HEAD]) and "embedding" not in said[0]
 
 
+def test_an_in_memory_merge_says_it_too(family, caplog):
+    from safetensors.torch import load_file as load
+
+    base, experts = family
+    states = [load(folder / "model.safetensors") for folder in (base, *experts)]
+    with caplog.at_level(logging.INFO, logger=OUTPUT_LOG):
+        specmerge.merge_state_dicts(states[0], states[1:], method="swudi_a")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("not merged with swudi_a")]
+    assert len(said) == 1 and "embedding; a method of linear layers" in said[0]
+
+
 def test_the_command_line_sets_it_either_way(tmp_path, family, capsys):
     base, experts = family
     argv = ["merge", str(base), *map(str, experts), "-m", "ties"]  # not -q: quiet leaves notes out

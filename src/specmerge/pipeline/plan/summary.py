@@ -3,9 +3,11 @@ account of the tensors that do not get the recipe's method (:func:`not_merged_li
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
+from specmerge.io.output.folder import OUTPUT_LOG
 from specmerge.pipeline.plan.rules import EMBEDDING_REASONS, TensorPlan
 
 
@@ -27,6 +29,13 @@ def summarize(plan: Sequence[TensorPlan]) -> dict[str, Any]:
             tally(summary["by_method"], entry.method, nbytes)
         tally(summary["by_reason"], entry.reason, nbytes)
     return summary
+
+
+def say_not_merged(plan: Sequence[TensorPlan], method: str) -> None:
+    """Say on the console (:func:`not_merged_line`) which tensors do not get ``method``, and why (nothing if all do)."""
+    line = not_merged_line(plan, method)
+    if line is not None:
+        logging.getLogger(OUTPUT_LOG).info(line)
 
 
 def not_merged_line(plan: Sequence[TensorPlan], method: str) -> str | None:

@@ -34,7 +34,7 @@ from specmerge.methods import get_method
 from specmerge.pipeline.inputs.open import portable_recipe, portable_spec, refuse_output_inside_inputs
 from specmerge.pipeline.inputs.related import check_related
 from specmerge.pipeline.plan.prepare import PreparedMerge, prepare_merge
-from specmerge.pipeline.plan.summary import not_merged_line
+from specmerge.pipeline.plan.summary import say_not_merged
 from specmerge.pipeline.recipe.model import DTYPES, Recipe
 from specmerge.pipeline.run.card import card_for
 from specmerge.pipeline.run.executor import StreamingExecutor
@@ -164,9 +164,7 @@ def run_recipe(
     with ExitStack() as stack:
         threads_used = stack.enter_context(merge_threads(threads))  # torch's count restored on leaving
         prepared = prepare_merge(stack, recipe, output)
-        not_merged = not_merged_line(prepared.plan, recipe.method)
-        if not_merged is not None:  # every tensor that does not get the method asked for, and why
-            logging.getLogger(OUTPUT_LOG).info(not_merged)
+        say_not_merged(prepared.plan, recipe.method)  # every tensor that does not get the method asked for, and why
         keys = list(recipe.expert_keys or recipe.experts)
         related = check_related(prepared.plan, prepared.base, prepared.experts, list(recipe.experts), keys)
         if related:

@@ -42,6 +42,7 @@ from specmerge.io.views.memory import (
     unwrapped_weights,
 )
 from specmerge.pipeline.plan.rules import PlanError, TensorPlan, make_plan
+from specmerge.pipeline.plan.summary import say_not_merged
 from specmerge.pipeline.recipe.model import Recipe
 from specmerge.pipeline.run.executor import StreamingExecutor
 from specmerge.pipeline.run.jobs import ComputeOptions, ModelJob
@@ -99,6 +100,7 @@ def merge_state_dicts(
         opened = [stack.enter_context(open_memory_expert(e, source, key)) for e, key in _keyed(experts, recipe)]
         refuse_repeated(base, experts, list(recipe.expert_keys or []))  # each input's kind checked first
         plan = memory_plan(recipe, source, opened, layout_config(base))
+        say_not_merged(plan, recipe.method)
         collected = CollectedTensors(plan)
         job = ModelJob(plan, source, opened, collected.write, compute, fsync=False)  # fsync: the cost estimate
         with merge_threads(threads):  # torch's thread count restored on leaving
