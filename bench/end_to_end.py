@@ -73,6 +73,15 @@ for shard in sorted(set(index["weight_map"].values())):
 """
 
 
+def warm_page_cache(models: list[Path]) -> None:
+    """Read every checkpoint file of ``models`` once (untimed), so that every job finds them in the page cache."""
+    for model in models:
+        for file in model.glob("*.safetensors"):
+            with open(file, "rb") as f:
+                while f.read(1 << 24):
+                    pass
+
+
 def run_job(command: list[str], env: dict[str, str] | None = None) -> dict[str, float]:
     """Wall seconds and peak RSS / anonymous bytes of one process (sampled every 20 ms from its /proc status)."""
     start = time.perf_counter()
@@ -160,11 +169,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="e2e-", dir=args.work or args.models))
     specmerge = [sys.executable, "-m", "specmerge"]
     try:
-        for model in [base, *experts]:  # warm the page cache, untimed
-            for file in model.glob("*.safetensors"):
-                with open(file, "rb") as f:
-                    while f.read(1 << 24):
-                        pass
+        warm_page_cache([base, *experts])
         jobs: dict[str, tuple[list[str], Path]] = {}  # name -> (command, its output folder)
         envs: dict[str, dict[str, str]] = {}
         inputs = json.dumps([str(base), *map(str, experts)])

@@ -8,11 +8,10 @@ import torch
 import specmerge
 from specmerge.linalg.topk import keep_mask, top_k_count, top_k_rule
 from specmerge.methods import sparse
+from specmerge.methods.draws import content_key, dare_mask
 from specmerge.methods.linear import task_arithmetic, weight_average
 from specmerge.methods.sparse import (
-    content_key,
     dare,
-    dare_mask,
     dare_task_arithmetic,
     dare_ties,
     disjoint_mean,
@@ -81,9 +80,11 @@ def test_defaults():
     defaults = {name: {p.name: p.default for p in specmerge.get_method(name).params} for name in ELEMENTWISE + MATRIX}
     assert defaults["weight_average"] == {"scale": 1.0}
     assert defaults["task_arithmetic"] == {"scale": 0.3}
-    assert defaults["ties"] == {"density": 0.2, "scale": 1.0}
-    assert defaults["dare_task_arithmetic"] == {"drop_rate": 0.5, "seed": 0, "scale": 0.3}
-    assert defaults["dare_ties"] == {"drop_rate": 0.5, "seed": 0, "scale": 1.0}
+    paper = {"convention": "paper"}
+    assert defaults["ties"] == {"density": 0.2, "scale": 1.0, "normalize": True, "rescale": False, **paper}
+    dare = {"drop_rate": 0.5, "seed": 0, "rescale": True, **paper}
+    assert defaults["dare_task_arithmetic"] == {**dare, "scale": 0.3, "normalize": False}
+    assert defaults["dare_ties"] == {**dare, "scale": 1.0, "normalize": True}
     assert defaults["tsv_m"] == {"scale": 1.0}
     assert defaults["iso_c"] == {"scale": 1.0}
     for name in ELEMENTWISE + MATRIX:

@@ -6,8 +6,8 @@ import torch
 from specmerge import get_method
 from specmerge.cli import main
 from specmerge.methods import candidate_settings
+from specmerge.methods.breadcrumbs import breadcrumbs
 from specmerge.methods.linear import task_arithmetic
-from specmerge.methods.sparse import breadcrumbs
 
 D64 = torch.float64
 
@@ -87,8 +87,10 @@ def test_bounds_come_from_the_annotations():
         with pytest.raises(ValueError, match=f"parameter '{name}'"):
             breadcrumbs(TAU, **params)
     method = get_method("breadcrumbs")
-    assert [(p.name, p.default) for p in method.params] == [("density", 0.9), ("beta", 0.01), ("scale", 0.3)]
-    assert method.param("beta").type_name == "float >=0 <1"
+    assert [(p.name, p.default) for p in method.params][:3] == [("density", 0.9), ("beta", 0.01), ("scale", 0.3)]
+    more = [("normalize", False), ("rescale", False), ("convention", "paper")]
+    assert [(p.name, p.default) for p in method.params][3:] == more
+    assert method.param("beta").type_name == "float >=0 <1 (or one per expert)"
 
 
 def test_registered_once_and_listed_everywhere(capsys):
@@ -99,4 +101,4 @@ def test_registered_once_and_listed_everywhere(capsys):
     assert ("breadcrumbs", "Model Breadcrumbs") in [(s.label, s.title) for m, s in candidate_settings()]
     assert main(["methods", "breadcrumbs"]) == 0
     out = capsys.readouterr().out
-    assert "Davari & Belilovsky" in out and "beta: float >=0 <1 = 0.01" in out
+    assert "Davari & Belilovsky" in out and "beta: float >=0 <1 (or one per expert) = 0.01" in out

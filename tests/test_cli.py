@@ -28,12 +28,13 @@ from specmerge.pipeline.recipe.values import option_flag, parse_pairs, parse_val
 from specmerge.pipeline.run import api
 
 # Recipe fields `specmerge merge` deliberately does not offer, and why.
-NOT_EXPOSED: dict[str, str] = {}  # every recipe key has a flag (issue 16)
+NOT_EXPOSED: dict[str, str] = {"layers": "a frankenmerge (no experts) is a recipe"}  # all others have a flag
 
 # A value for every exposed field, as typed, and what the model must hold afterwards.
 MERGE_SAMPLES = {
     "expert_keys": (["--expert-key", "first", "--expert-key", "second"], ["first", "second"]),
     "expert_weights": (["--weight", "0.7", "--weight", "0.3"], [0.7, 0.3]),
+    "expert_params": (["--expert-params", "{density: 0.5}", "--expert-params", "{}"], [{"density": 0.5}, {}]),
     "method": (["-m", "ties"], "ties"),
     "params": (["-p", "density=0.25", "--param", "scale=.5"], {"density": 0.25, "scale": 0.5}),
     "non_matrix": (["--non-matrix", "keep_base"], "keep_base"),

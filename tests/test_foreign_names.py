@@ -47,14 +47,13 @@ def test_a_switch_still_takes_a_boolean():
 @pytest.mark.parametrize(
     ("data", "says", "not_says"),
     [
-        ({"method": "dare_ties", "params": {"rescale": False}}, "always divide each kept entry", "scale'?"),
+        ({"method": "swudi", "params": {"rescale": False}}, "this method drops nothing to rescale", "scale'?"),
         ({"method": "ties", "params": {"lambda": 0.5}}, "specmerge's is 'scale'", "did you mean"),
         ({"method": "dare_ties", "params": {"density": 0.7}}, "drop_rate = 1 - density", "did you mean"),
-        ({"method": "ties", "params": {"int8_mask": True}}, "only saves memory", "did you mean"),
+        ({"method": "ties", "params": {"int8_mask": True}}, "only changes the dtype", "did you mean"),
         ({"method": "ties", "params": {"weight": 0.5}}, "experts: [{path: ..., weight: 0.6}]", "did you mean"),
-        ({"method": "ramplus_tl"}, "mergekit method that specmerge does not implement", "did you mean"),
+        ({"method": "task_adapter"}, "mergekit method that specmerge does not implement", "did you mean"),
         ({"method": "karcher_mean"}, "did you mean 'karcher'", "mergekit method"),
-        ({"method": "breadcrumbs_ties"}, "mergekit method that specmerge does not implement", "'breadcrumbs'?"),
         ({"method": "ties", "models": ["a"]}, "'models' is mergekit's list of inputs", "'modules'?"),
         ({"method": "ties", "merge_method": "ties"}, "a specmerge recipe says 'method'", "did you mean"),
     ],

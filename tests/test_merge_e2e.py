@@ -70,9 +70,12 @@ def test_merge_every_method_golden_and_loadable(families, tmp_path, arch, method
         assert tensor.shape == base[name].shape and tensor.dtype == base[name].dtype, name
         expected = expected_tensor(rows[name], base, experts, report["params"] if rows[name]["method"] else {})
         torch.testing.assert_close(tensor, expected, rtol=1e-5, atol=1e-6, msg=f"{arch} {method} {name}")
-    # the paper's rule: 2-D linear weights get the method
+    # the paper's rule: 2-D linear weights get the method (passthrough, a copy of the base, merges none)
     linear = [n for n, r in rows.items() if r["action"] == "merge"]
-    assert any(n.endswith("proj.weight") or n.endswith("dense.weight") or "fc" in n for n in linear)
+    if method == "passthrough":
+        assert not expert_dirs and not linear and all(torch.equal(merged[n], base[n]) for n in base)
+    else:
+        assert any(n.endswith("proj.weight") or n.endswith("dense.weight") or "fc" in n for n in linear)
 
     model = transformers.AutoModel.from_pretrained(out).eval()
     with torch.no_grad():

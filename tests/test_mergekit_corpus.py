@@ -1,92 +1,63 @@
-"""The mergekit corpus (issue 51): mergekit configs of the shapes people publish, with mergekit's own outputs on
-tiny models committed as references (bench/mergekit_reference.py, mergekit 0.1.5; no mergekit needed here).
-
-What is checked now:
+"""The mergekit corpus (issue 51): mergekit configs of the shapes people publish, run as they are by specmerge's
+mergekit dialect and compared with mergekit's own outputs on tiny models (committed references made once by
+bench/mergekit_reference.py, mergekit 0.1.5; no mergekit needed here).
 
 - every config has its reference, made from this very config (its sha256) and these very inputs (their digest,
   rebuilt here bit for bit);
-- the configs that a specmerge recipe already expresses with mergekit's meaning (``EXPRESSED``: the recipe written
-  by hand, key by key as docs/mergekit.md maps them) give mergekit's tensors to float32 round-off;
-- every other config is listed in ``PENDING`` with what specmerge lacks for it, and the list is exact: a config
-  cannot silently drop out of both. ``specmerge run mergekit.yaml`` (the mergekit dialect, next) is to empty it.
+- deterministic configs give mergekit's tensors to float32 round-off (``specmerge.merge(mergekit_config=...)``);
+- random ones (DARE, DELLA: mergekit draws from torch's global generator, specmerge from its own seeded ones) agree
+  in distribution: the share of entries no expert moved (each entry's is a Bernoulli event: within 5 binomial
+  standard errors) and the merged task vector's size relative to the experts' sum (within 5 standard deviations of
+  specmerge's over several seeds); the same statistics tell a wrong definition (the other ``normalize``) apart;
+- the configs specmerge cannot run with mergekit's meaning are refused in one line saying why (``REFUSED``);
+- the recipe ``specmerge convert`` prints is itself the recipe that runs (it reads back equal).
+Regressions of issue 51's silent differences 2 and 3: omitted keys take mergekit's defaults (``ties-defaults``:
+density 1; ``task-arithmetic*``: lambda 1; ``dare-ties``: rescale on, normalize off) and dare_ties sums the agreeing
+entries (``dare-ties``, whose statistics tell the sum from the mean).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 import specmerge
+from specmerge.errors import RecipeError
+from specmerge.pipeline.recipe.mergekit import convert
+from specmerge.pipeline.recipe.model import Recipe
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mergekit_inputs import REFERENCES, build_inputs, config_digest, configs, inputs_digest
+from mergekit_inputs import REFERENCES, build_inputs, config_digest, configs, inputs_digest, render
 
 RECORDS = json.loads((REFERENCES / "references.json").read_text())
-ATTENTION = "*self_attn*"
-
-# config -> (base, experts, recipe keys): mergekit's meaning written as a specmerge recipe.
-EXPRESSED: dict[str, tuple[str, list[str], dict]] = {
-    "linear-normalized": ("base", ["e0", "e1"], {"method": "linear", "expert_weights": [0.7, 0.3]}),
-    "slerp-constant": ("base", ["e1"], {"method": "slerp", "params": {"t": 0.3}}),
-    "slerp-gradient-filters": (
-        "base",
-        ["e0"],
-        {
-            "method": "slerp",
-            "params": {"t": 0.5},
-            "overrides": [
-                {"pattern": ATTENTION, "params": {"t": [0, 0.5, 0.3, 0.7, 1]}},
-                {"pattern": "*mlp*", "params": {"t": [1, 0.5, 0.7, 0.3, 0]}},
-            ],
-        },
-    ),
-    "task-arithmetic": (
-        "base",
-        ["e0", "e1", "e2"],
-        {"method": "task_arithmetic", "expert_weights": [0.5, 0.3, 0.2], "params": {"scale": 1.0}},
-    ),
-    "task-arithmetic-lambda": ("base", ["e0", "e1"], {"method": "task_arithmetic", "params": {"scale": 0.6}}),
-    "out-dtype": (
-        "base",
-        ["e0", "e1"],
-        {"method": "task_arithmetic", "expert_weights": [0.5, 0.5], "params": {"scale": 1.0}, "dtype": "bfloat16"},
-    ),
-    "ties-defaults": ("base", ["e0", "e1"], {"method": "ties", "params": {"density": 1.0}}),
-    "model-stock": ("base", ["e0", "e1", "e2"], {"method": "model_stock"}),
-    "nearswap": ("base", ["e0"], {"method": "nearswap", "params": {"t": 0.01}}),
-    "karcher": ("base", ["e0", "e1", "e2"], {"method": "karcher"}),
-    "nuslerp": ("base", ["e0", "e1"], {"method": "nuslerp", "expert_weights": [0.6, 0.4]}),
-    "arcee-fusion": ("base", ["e0"], {"method": "arcee_fusion"}),
-    "sce": ("base", ["e0", "e1", "e2"], {"method": "sce", "params": {"select_topk": 0.5}}),
-    "multislerp-base": ("base", ["e0", "e1", "e2"], {"method": "multislerp", "expert_weights": [1.0, 1.0, 0.5]}),
+RANDOM = ("dare-ties", "dare-linear", "della", "della-linear", "dare-ties-per-model")
+# config -> what the one-line refusal says (what specmerge lacks to run it with mergekit's meaning)
+REFUSED: dict[str, str] = {
+    "linear-unnormalized": "specmerge takes it only with constant weights that sum to 1",
+    "multislerp": "without base_model (a mean of the models' own weights) is not built yet",
 }
-
-# config -> what specmerge lacks to run it with mergekit's meaning (issue 51).
-PENDING: dict[str, str] = {
-    "linear-unnormalized": "linear normalize false: mergekit scales the base by sum w_i too",
-    "linear-filter-weights": "per-filter expert weights",
-    "ties-per-model": "a density per model",
-    "ties-density-gradient": "mergekit keeps floor(density n) entries where specmerge's ties keeps ceil",
-    "ties-int8-mask": "mergekit keeps floor(density n) entries where specmerge's ties keeps ceil",
-    "breadcrumbs": "mergekit's breadcrumbs density and gamma conventions",
-    "breadcrumbs-ties": "method breadcrumbs_ties",
-    "dare-ties": "dare_ties summing the agreeing entries (normalize false); random masks: compared in distribution",
-    "dare-linear": "random masks: compared in distribution",
-    "della": "DELLA's L1 rescale; random masks: compared in distribution",
-    "della-linear": "DELLA's L1 rescale; random masks: compared in distribution",
-    "multislerp": "without base_model, multislerp of the models' own weights: the dialect's base-free form",
-    "passthrough-frankenmerge": "slices / layer_range (frankenmerges)",
-}
+SEEDS = 6
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     return build_inputs(tmp_path_factory.mktemp("mergekit-inputs"))
+
+
+def config_data(name: str, inputs: dict[str, Path]) -> dict:
+    return yaml.safe_load(render(next(c for c in configs() if c.stem == name), inputs))
+
+
+def deterministic() -> list[str]:
+    return sorted(c.stem for c in configs() if c.stem not in RANDOM and c.stem not in REFUSED)
 
 
 def test_every_config_has_its_reference_from_these_inputs(inputs):
@@ -100,25 +71,15 @@ def test_every_config_has_its_reference_from_these_inputs(inputs):
         assert "refused" not in record and (REFERENCES / f"{config.stem}.safetensors").is_file()
 
 
-def test_every_config_is_compared_or_pending_with_its_reason():
-    names = {c.stem for c in configs()}
-    assert set(EXPRESSED) | set(PENDING) == names and not set(EXPRESSED) & set(PENDING)
-
-
-@pytest.mark.parametrize("name", sorted(EXPRESSED))
-def test_a_recipe_with_mergekits_meaning_gives_mergekits_tensors(name, inputs, tmp_path):
-    base, experts, recipe = EXPRESSED[name]
-    specmerge.merge(
-        inputs[base],
-        [inputs[e] for e in experts],
-        tmp_path / "out",
-        progress=False,
-        threads=1,
-        compute_dtype="float32",
-        **recipe,
-    )
+@pytest.mark.parametrize("name", deterministic())
+def test_a_mergekit_config_gives_mergekits_tensors(name, inputs, tmp_path):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(render(next(c for c in configs() if c.stem == name), inputs))
+    specmerge.merge(mergekit_config=path, output=tmp_path / "out", progress=False, threads=1)
     ours, theirs = load_file(tmp_path / "out/model.safetensors"), load_file(REFERENCES / f"{name}.safetensors")
     assert sorted(ours) == sorted(theirs)
+    layers = json.loads((tmp_path / "out/config.json").read_text())["num_hidden_layers"]
+    assert layers == RECORDS[name]["num_hidden_layers"]  # a frankenmerge's count: 6 from two ranges of 3
     for tensor_name, expected in theirs.items():
         got = ours[tensor_name]
         assert got.dtype == expected.dtype, tensor_name
@@ -126,3 +87,70 @@ def test_a_recipe_with_mergekits_meaning_gives_mergekits_tensors(name, inputs, t
         eps = torch.finfo(expected.dtype).eps
         scale = float(expected.float().abs().max()) + 1
         torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=16 * eps * scale, msg=tensor_name)
+
+
+def statistics_of(state: dict, base: dict, experts: list[dict]) -> tuple[float, float, int]:
+    """(share of entries equal to the base's, ||merged - base|| / ||sum of the experts' task vectors||, entries)."""
+    same = total = 0
+    merged_sq = experts_sq = 0.0
+    for name, tensor in state.items():
+        delta = tensor.double() - base[name].double()
+        same += int((delta == 0).sum())
+        total += delta.numel()
+        merged_sq += float(delta.square().sum())
+        experts_sq += float(sum(e[name].double() - base[name].double() for e in experts).square().sum())
+    return same / total, math.sqrt(merged_sq / experts_sq), total
+
+
+@pytest.mark.parametrize("name", RANDOM)
+def test_a_random_config_agrees_with_mergekit_in_distribution(name, inputs, tmp_path):
+    data = config_data(name, inputs)
+    conversion = convert(data)
+    base = load_file(inputs["base"] / "model.safetensors")
+    experts = [load_file(Path(e) / "model.safetensors") for e in conversion.recipe.experts]
+    zero_t, size_t, n = statistics_of(load_file(REFERENCES / f"{name}.safetensors"), base, experts)
+
+    def merged(seed: int, flipped: str = "") -> tuple[float, float, int]:
+        params = {**conversion.recipe.params, "seed": seed}
+        if flipped:
+            params[flipped] = not params[flipped]
+        recipe = conversion.recipe.model_copy(update={"params": params})
+        specmerge.run_recipe(recipe, tmp_path / f"out-{seed}-{flipped}", progress=False, threads=1)
+        return statistics_of(load_file(tmp_path / f"out-{seed}-{flipped}/model.safetensors"), base, experts)
+
+    ours = [merged(seed) for seed in range(SEEDS)]
+    zero_o = statistics.fmean(z for z, _, _ in ours)
+    # the shares are means of n Bernoulli events; their variance is at most p (1 - p) / n each
+    p = (zero_o + zero_t) / 2
+    assert abs(zero_o - zero_t) <= 5 * math.sqrt(p * (1 - p) / n * (1 + 1 / SEEDS)) + 1 / n
+    sizes = [s for _, s, _ in ours]
+    spread = statistics.stdev(sizes) * math.sqrt(1 + 1 / SEEDS)
+    assert abs(size_t - statistics.fmean(sizes)) <= 5 * spread, (size_t, sizes)
+    for flipped in ("rescale", "normalize") if name == "dare-ties" else ("rescale",):  # the statistic has the power
+        wrong = merged(0, flipped)[1]  # to tell a definition with the other rescale (normalize: sum or mean) apart
+        assert abs(wrong - statistics.fmean(sizes)) > 5 * spread, (flipped, wrong, sizes)
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_what_cannot_run_with_mergekits_meaning_is_refused_in_one_line(name, inputs, tmp_path):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(render(next(c for c in configs() if c.stem == name), inputs))
+    with pytest.raises(RecipeError) as caught:
+        specmerge.merge(mergekit_config=path, output=tmp_path / "out", progress=False)
+    message = str(caught.value)
+    assert REFUSED[name] in message and "\n" not in message and str(path) in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_config_is_compared_or_refused():
+    names = {c.stem for c in configs()}
+    assert set(RANDOM) <= names and set(REFUSED) <= names
+    assert len(deterministic()) + len(RANDOM) + len(REFUSED) == len(names)
+
+
+@pytest.mark.parametrize("name", [c.stem for c in configs() if c.stem not in REFUSED])
+def test_the_printed_recipe_is_the_recipe_that_runs(name, inputs):
+    conversion = convert(config_data(name, inputs))
+    text = conversion.to_yaml(name)
+    assert text.startswith("# specmerge recipe converted from the mergekit config")
+    assert Recipe.from_dict(yaml.safe_load(text)) == conversion.recipe

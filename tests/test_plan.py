@@ -95,7 +95,8 @@ def test_llama_with_a_matrix_method_merges_linear_weights_and_averages_the_rest(
 def test_elementwise_methods_take_every_tensor_and_embeddings_unless_told_not_to():
     plan, _ = plan_for(LLAMA, method="ties")  # merge_embeddings unset: the method's convention, as mergekit
     assert all((p.action, p.method) == ("merge", "ties") for p in plan.values())
-    assert plan["model.norm.weight"].params == {"density": 0.2, "scale": 1.0}
+    ties_defaults = {"scale": 1.0, "normalize": True, "rescale": False, "convention": "paper"}
+    assert plan["model.norm.weight"].params == {"density": 0.2, **ties_defaults}
     plan, _ = plan_for(LLAMA, method="ties", merge_embeddings=False)
     for name, p in plan.items():
         if is_embedding(name):
@@ -223,7 +224,7 @@ def test_overrides_come_first_and_the_first_match_wins():
     assert (up.action, up.method, up.params, up.reason) == (
         "merge",
         "ties",
-        {"density": 0.5, "scale": 1.0},
+        {"density": 0.5, "scale": 1.0, "normalize": True, "rescale": False, "convention": "paper"},
         "override '*.mlp.*'",
     )
     embed = plan["model.embed_tokens.weight"]

@@ -36,7 +36,7 @@ def test_yaml_recipe_with_relative_paths(tmp_path):
     assert r.base == os.path.normpath(tmp_path / "models" / "base")
     assert r.experts == [os.path.normpath(tmp_path / "models" / "math"), "/abs/code"]
     assert r.expert_keys == ["math", "code"]
-    assert r.params == {"density": 0.1, "scale": 1.0}
+    assert r.params == {"density": 0.1, "scale": 1.0, "normalize": True, "rescale": False, "convention": "paper"}
     assert r.overrides[0].action == "average"
     assert r.shard_bytes == 2 * 10**9
     assert (r.device, r.dtype, r.compute_dtype, r.non_matrix) == ("cpu", "auto", "float32", "average")
@@ -64,7 +64,8 @@ def test_override_params_refine_the_recipe_params_or_start_from_their_method():
         ],
     )
     assert r.overrides[0].params == {"scale": 0.5}  # recipe's method: the recipe's params
-    assert r.overrides[1].params == {"density": 0.5, "scale": 1.0}  # own method: its defaults
+    ties_defaults = {"scale": 1.0, "normalize": True, "rescale": False, "convention": "paper"}
+    assert r.overrides[1].params == {"density": 0.5, **ties_defaults}  # own method: its defaults
     assert r.overrides[2].params == {} and r.overrides[2].method is None
 
 
@@ -96,7 +97,7 @@ def test_unknown_method_and_parameters():
 
 def test_wrong_types_name_the_field_and_value():
     assert error(experts="a") == "recipe key 'experts': input should be a valid list (got 'a')"
-    assert error(experts=[]).startswith("recipe key 'experts': list should have at least 1 item")
+    assert error(experts=[]).startswith("experts: give at least one expert fine-tuned from the base")
     assert error(merge_embeddings="maybe").startswith("recipe key 'merge_embeddings': input should be a valid boolean")
     message = error(dtype="fp61")
     assert message.startswith("recipe key 'dtype': input should be 'auto', 'float32', 'float16' or 'bfloat16'")
@@ -175,9 +176,9 @@ def test_yaml_errors_name_the_file_and_line(tmp_path):
         load_recipe(path)
     assert str(err.value) == (
         f"{path}:3: unknown recipe key 'metod': did you mean 'method'? known: address, base, chat_template, "
-        "compute_dtype, config_source, device, dtype, executor, expert_keys, expert_weights, experts, gpu_memory, "
-        "max_rank, merge_embeddings, method, modules, non_matrix, output_format, overrides, params, quantize, "
-        "scale_non_matrix, shard_size, tokenizer_source"
+        "compute_dtype, config_source, device, dtype, executor, expert_keys, expert_params, expert_weights, experts, "
+        "gpu_memory, layers, max_rank, merge_embeddings, method, modules, non_matrix, output_format, overrides, "
+        "params, quantize, scale_non_matrix, shard_size, tokenizer_source"
     )
     path.write_text("base: b\nexperts: [a]\noverrides:\n  - pattern: x\n  - pattern: '*.mlp.*'\n    action: merg\n")
     with pytest.raises(RecipeError, match=r"bad\.yaml:6: override '\*\.mlp\.\*' key 'action'"):

@@ -13,10 +13,10 @@ from specmerge.methods.params import Positive
 from tiny_models import expert_count
 
 DISPLAY_ORDER = [
-    "weight_average", "task_arithmetic", "linear", "slerp", "model_stock", "ties", "dare_task_arithmetic",
-    "dare_linear", "dare_ties", "breadcrumbs", "della", "della_linear", "tsv_m", "iso_c", "closed_form", "wudi",
-    "wudi_reference", "optmerge", "optmerge_lora", "swudi", "swudi_a", "spectral_filter", "multislerp", "karcher",
-    "nearswap", "sce", "nuslerp", "arcee_fusion",
+    "weight_average", "task_arithmetic", "linear", "passthrough", "slerp", "model_stock", "ties",
+    "dare_task_arithmetic", "dare_linear", "dare_ties", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear",
+    "tsv_m", "iso_c", "closed_form", "wudi", "wudi_reference", "optmerge", "optmerge_lora", "swudi", "swudi_a",
+    "spectral_filter", "multislerp", "karcher", "nearswap", "sce", "nuslerp", "arcee_fusion", "ram", "ramplus_tl",
 ]  # fmt: skip
 EXPECTED = set(DISPLAY_ORDER)
 
@@ -157,15 +157,21 @@ def test_capabilities_are_declared():
         "weight_average", "task_arithmetic", "linear", "breadcrumbs", "dare_task_arithmetic", "dare_linear",
         "della_linear", "multislerp", "nuslerp",
     }  # fmt: skip
-    assert {name for name, m in methods.items() if m.weighting == "positive"} == {"ties", "dare_ties", "della"}
+    assert {name for name, m in methods.items() if m.weighting == "positive"} == {
+        "ties",
+        "dare_ties",
+        "della",
+        "breadcrumbs_ties",
+    }
     assert {name for name, m in methods.items() if m.needs_base} == {"slerp", "karcher", "arcee_fusion"}
     assert {name for name, m in methods.items() if not m.featured} == {
         "wudi_reference", "optmerge_lora", "spectral_filter", "dare_linear", "slerp", "linear", "multislerp",
-        "karcher", "nearswap", "sce", "nuslerp", "arcee_fusion",
+        "karcher", "nearswap", "sce", "nuslerp", "arcee_fusion", "breadcrumbs_ties", "ram", "ramplus_tl",
+        "passthrough",
     }  # fmt: skip
     assert {name: m.variant_of for name, m in methods.items() if m.variant_of} == {
         "dare_ties": "dare_task_arithmetic", "dare_linear": "dare_task_arithmetic", "wudi_reference": "wudi",
-        "optmerge_lora": "optmerge", "della_linear": "della",
+        "optmerge_lora": "optmerge", "della_linear": "della", "breadcrumbs_ties": "breadcrumbs",
     }  # fmt: skip
     for name, m in methods.items():
         assert m.title, name

@@ -133,11 +133,12 @@ def poisoned_copy(model: Path, folder: Path, pick, index: int = 0, value: float 
 
 def expert_count(method, available: int) -> int:
     """How many of ``available`` experts to give a registered method: all, or the fewest its check asks for (slerp,
-    nearswap, arcee_fusion: one, the base being the other model; nuslerp: two)."""
-    for n in dict.fromkeys((available, 2, 1)):
+    nearswap, arcee_fusion: one, the base being the other model; nuslerp: two; passthrough, a copy of the base:
+    none)."""
+    for n in dict.fromkeys((available, 2, 1, 0)):
         try:
             method.validate({}, n)
             return n
         except ValueError:
             continue
-    raise ValueError(f"method '{method.name}' takes none of {available}, 2 or 1 experts")
+    raise ValueError(f"method '{method.name}' takes none of {available}, 2, 1 or 0 experts")

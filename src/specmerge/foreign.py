@@ -18,8 +18,8 @@ RECIPE_KEYS: dict[str, str] = {
     "parameters": f"'parameters' is mergekit's key: a specmerge recipe says 'params' ({GUIDE})",
     "out_dtype": f"'out_dtype' is mergekit's key: a specmerge recipe says 'dtype' for the output ('compute_dtype' for "
     f"the arithmetic; {GUIDE})",
-    "slices": "'slices' (mergekit's layer ranges, frankenmerges) has no specmerge equivalent yet: a recipe merges "
-    "every tensor of the base",
+    "slices": "'slices' is mergekit's layer ranges: a specmerge recipe stacks layers with 'layers' (method "
+    f"passthrough), and `specmerge run` runs a mergekit config as it is ({GUIDE})",
     "tokenizer": "'tokenizer' is mergekit's tokenizer section: a specmerge recipe says 'tokenizer_source' (union, "
     "base or an expert's name)",
 }
@@ -27,14 +27,14 @@ RECIPE_KEYS: dict[str, str] = {
 # Method parameters of mergekit that are not specmerge's, whatever the method.
 PARAMS: dict[str, str] = {
     "lambda": "'lambda' is mergekit's name for the factor on the merged task vector: specmerge's is 'scale'",
-    "rescale": "'rescale' is mergekit's switch of DARE / DELLA's rescaling: specmerge's DARE and DELLA always divide "
-    "each kept entry by its keep probability, as the papers do, and have no switch to turn that off",
-    "int8_mask": "'int8_mask' only saves memory in mergekit (its sign masks in int8): specmerge's masks are boolean "
-    "already; remove it",
+    "rescale": "'rescale' is a parameter of the sparsifying methods only (ties, the DARE and DELLA methods, "
+    "breadcrumbs): this method drops nothing to rescale",
+    "int8_mask": "'int8_mask' only changes the dtype of mergekit's sign masks (memory, not the result): specmerge's "
+    "masks are boolean already; remove it",
     "weight": "per-expert weights are not a method parameter: give them with the experts "
     "(experts: [{path: ..., weight: 0.6}], expert_weights: [...] or --weight)",
-    "normalize": "'normalize' is a parameter of specmerge's 'linear' only: its TIES-family methods always take the "
-    "(weighted) mean of the entries that agree in sign",
+    "normalize": "'normalize' is a parameter of linear and of the sparsifying methods (ties, the DARE and DELLA "
+    "methods, breadcrumbs) only",
     "filter_wise": "'filter_wise' is a parameter of specmerge's 'model_stock' only",
 }
 
@@ -48,12 +48,7 @@ DARE_METHODS = frozenset({"dare_ties", "dare_task_arithmetic", "dare_linear"})
 METHODS: dict[str, str] = {
     name: f"'{name}' is a mergekit method that specmerge does not implement yet ({what}); it is not the same as any "
     "method specmerge has: `specmerge methods` lists them"
-    for name, what in {
-        "passthrough": "copying layers through, for frankenmerges",
-        "ram": "reinforced agent merging",
-        "ramplus_tl": "reinforced agent merging plus",
-        "breadcrumbs_ties": "breadcrumbs sparsification with TIES sign election",
-    }.items()
+    for name, what in {"task_adapter": "merging task adapters"}.items()
 }
 
 

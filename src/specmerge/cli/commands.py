@@ -12,6 +12,7 @@ import functools
 import sys
 import textwrap
 from collections.abc import Callable
+from pathlib import Path
 
 from specmerge.cli.fields import add_fields, field_values, flag_error
 from specmerge.cli.running import PlainHelpParser, add_verbosity, plain_warnings, run_child
@@ -22,7 +23,8 @@ from specmerge.pipeline.recipe.model import Recipe
 from specmerge.version import __version__
 
 # Recipe fields the `merge` command does not offer, and why (a recipe file has them: `specmerge run`).
-NOT_ON_COMMAND_LINE: dict[str, str] = {}  # every recipe key has a flag (overrides: --override PATTERN=RULE)
+# recipe keys `specmerge merge` does not offer, and why (every other has a flag; overrides: --override PATTERN=RULE)
+NOT_ON_COMMAND_LINE: dict[str, str] = {"layers": "a frankenmerge has no experts to merge: write it as a recipe"}
 PATHS = ("base", "experts")  # positional arguments of merge and inspect
 
 
@@ -120,13 +122,36 @@ def merge_command(args: argparse.Namespace) -> int:
 @announced
 @plain_warnings
 def run_command(args: argparse.Namespace) -> int:
+    from specmerge.pipeline.recipe.mergekit import load_mergekit, say_conversion
     from specmerge.pipeline.recipe.model import load_recipe
     from specmerge.pipeline.run.api import run_recipe
 
+    conversion = load_mergekit(args.recipe)  # a mergekit config, recognised by its keys, or None
+    if conversion is not None:  # said even with --quiet: where the meaning differs from mergekit's
+        say_conversion(conversion)
+    recipe = load_recipe(args.recipe) if conversion is None else conversion.recipe
     if _dry(args):
-        return _dry_run(load_recipe(args.recipe), args)
-    report = run_recipe(load_recipe(args.recipe), args.output, **_output_options(args))
+        return _dry_run(recipe, args)
+    report = run_recipe(recipe, args.output, **_output_options(args))
     _print_summary(report, args.output)
+    return 0
+
+
+def convert_command(args: argparse.Namespace) -> int:
+    from specmerge.pipeline.recipe.mergekit import load_mergekit
+
+    conversion = load_mergekit(args.config)
+    if conversion is None:
+        raise RecipeError(f"{args.config} is not a mergekit config (merge_method with models): nothing to convert")
+    text = conversion.to_yaml(str(args.config))
+    if args.output is None:
+        print(text, end="")
+        return 0
+    target = Path(args.output)
+    if target.exists() and not args.overwrite:
+        raise RecipeError(f"'{target}' exists: choose another file or pass --overwrite")
+    target.write_text(text, encoding="utf-8")
+    print(f"wrote {target}", file=sys.stderr)
     return 0
 
 
@@ -257,6 +282,14 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("recipe", help="recipe file (YAML; see docs/recipes.md)")
     _add_model_output(p)
     p.set_defaults(run=run_command)
+
+    p = sub.add_parser(
+        "convert", help="print the specmerge recipe of a mergekit config (and where the meaning differs)"
+    )
+    p.add_argument("config", help="mergekit config (YAML)")
+    p.add_argument("-o", "--output", help="write the recipe to this file (default: print it)")
+    p.add_argument("--overwrite", action="store_true", help="replace the file --output names")
+    p.set_defaults(run=convert_command)
 
     p = sub.add_parser("inspect", help="spectral diagnostics of experts of BASE: tables, plots, report.md")
     add_fields(p, Recipe, PATHS, positional=True)

@@ -12,7 +12,8 @@ How a field's type is typed on the command line:
 - ``bool``: a switch without a value (``--merge-embeddings``, ``--no-plots``); ``bool | None`` (None: decided
   later) two, ``--merge-embeddings`` and ``--no-merge-embeddings``;
 - ``dict``: a repeatable ``KEY=VALUE`` flag, the pairs read by :func:`~specmerge.pipeline.recipe.values.parse_pairs`;
-- a list or tuple: a repeatable flag, one item each (a positional list takes one or more);
+- a list or tuple: a repeatable flag, one item each (a positional list takes one or more); items that are
+  mappings are read as YAML (``--expert-params '{density: 0.5}'``);
 - ``str`` (names, paths, patterns, regular expressions): the text as typed;
 - anything else (numbers, sizes, choices): the text read as a YAML recipe reads it
   (:func:`~specmerge.pipeline.recipe.values.parse_value`: ``0.5``, ``.inf``, ``null``, ``5GB``).
@@ -109,9 +110,16 @@ def field_values(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, 
             values[name] = parse_pairs(typed, flag)
         elif kind == "value":
             values[name] = parse_value(typed, flag)
+        elif kind == "list" and _items_are_mappings(field):  # each typed as YAML: '{density: 0.5}'
+            values[name] = [parse_value(item, flag) for item in typed]
         else:
             values[name] = typed
     return values
+
+
+def _items_are_mappings(field: FieldInfo) -> bool:
+    args = typing.get_args(_without_none(field.annotation))
+    return bool(args) and (args[0] is dict or typing.get_origin(args[0]) is dict)
 
 
 def _dest(model: type[BaseModel], name: str) -> str:

@@ -6,11 +6,12 @@ table): the families in :data:`FAMILIES` order, each in its own definition order
 (methods registered from any other module) in registration order.
 """
 
-from specmerge.methods import della, interpolation, linear, sparse, spectral, spherical, svd, wudi
+from specmerge.methods import breadcrumbs, della, interpolation, linear, ram, sparse, spectral, spherical, svd, wudi
 from specmerge.methods.registry import LayerResult, Method, Setting, lookup, register, register_variant, registered
 
 # display order: baselines first, the paper's filters last
-FAMILIES = (linear, interpolation, sparse, della, svd, wudi, spectral, spherical)  # mergekit's spherical means last
+# mergekit's spherical means and RAM last
+FAMILIES = (linear, interpolation, sparse, breadcrumbs, della, svd, wudi, spectral, spherical, ram)
 
 
 def all_methods() -> dict[str, Method]:

@@ -4,7 +4,7 @@ MagPrune (Deep et al.): within each row of tau_i, entries are ranked by |tau_i|;
 rank u in [0, 1] (0 the smallest, 1 the largest) is kept with probability p(u) = density - epsilon + 2 epsilon u
 and, kept, divided by p(u), so that every entry is unbiased. Then, as in TIES, signs are elected and the
 agreeing entries averaged (``della``), or the sparsified task vectors are summed (``della_linear``). The random
-draws are DARE's (:func:`specmerge.methods.sparse.uniform_draws`): a function of (seed, tensor name, the expert's
+draws are DARE's (:func:`specmerge.methods.draws.uniform_draws`): a function of (seed, tensor name, the expert's
 task vector), the same on every device and in every order.
 """
 
@@ -16,14 +16,18 @@ from typing import Annotated, Literal
 import torch
 from pydantic import Field
 
+from specmerge.methods import gta
+from specmerge.methods.draws import mask_keys, uniform_draws
+from specmerge.methods.gta import Convention, per_expert_values
 from specmerge.methods.operations import Operations, Shape, numel, passes
+from specmerge.methods.params import per_expert
 from specmerge.methods.registry import LayerResult, register, register_variant
-from specmerge.methods.sparse import Density, combine_dropped, mask_keys, uniform_draws
+from specmerge.methods.sparse import Densities, combine_dropped
 
 DELLA_CITATION = (
     "Deep et al., DELLA-Merging: Reducing Interference in Model Merging through Magnitude-Based Sampling, 2024"
 )
-Epsilon = Annotated[float, Field(ge=0, lt=1)]
+Epsilons = per_expert(Annotated[float, Field(ge=0, lt=1)])
 
 
 def della_cost(shape: Shape, itemsize: int, params: dict) -> Operations:
@@ -50,38 +54,52 @@ def keep_probabilities(tau: torch.Tensor, density: float, epsilon: float) -> tor
 
 def magprune(
     task_vectors: torch.Tensor,
-    density: float,
-    epsilon: float,
+    density: float | Sequence[float],
+    epsilon: float | Sequence[float],
     seed: int,
     tensor_name: str,
+    rescale: bool = True,
     expert_keys: Sequence[str] | None = None,
 ) -> torch.Tensor:
-    """Each tau_i with entries kept at random with probability :func:`keep_probabilities` and divided by it.
+    """Each tau_i with entries kept at random with probability :func:`keep_probabilities` and divided by it (unless
+    not ``rescale``); ``density`` and ``epsilon``: one value, or one per expert.
 
     The draws are float32 uniforms on the CPU from the expert's own generator (as DARE's). With epsilon 0 every
     probability is ``density`` (no ranking needed); with density 1 too, every entry is kept as it is.
     """
-    if epsilon == 0 and density == 1:
-        return task_vectors.clone()
+    keys = mask_keys(task_vectors, expert_keys, tensor_name)
+    densities, epsilons = per_expert_values(density, len(keys)), per_expert_values(epsilon, len(keys))
     out = torch.zeros_like(task_vectors)
-    for i, key in enumerate(mask_keys(task_vectors, expert_keys, tensor_name)):
+    for i, key in enumerate(keys):
         tau_i = task_vectors[i]
+        if epsilons[i] == 0 and densities[i] == 1:
+            out[i] = tau_i
+            continue
         draw = uniform_draws(tau_i.shape, seed, tensor_name, key).to(tau_i.device)
-        if epsilon == 0:
-            p = torch.tensor(density, dtype=torch.float32, device=tau_i.device)
+        if epsilons[i] == 0:
+            p = torch.tensor(densities[i], dtype=torch.float32, device=tau_i.device)
         else:
-            p = keep_probabilities(tau_i, density, epsilon)
-        out[i] = torch.where(draw < p, tau_i / p.to(tau_i.dtype), out[i])
+            p = keep_probabilities(tau_i, densities[i], epsilons[i])
+        out[i] = torch.where(draw < p, tau_i / p.to(tau_i.dtype) if rescale else tau_i, out[i])
     return out
 
 
 def _probabilities_in_range(params: dict, n: int | None) -> None:
-    low, high = params["density"] - params["epsilon"], params["density"] + params["epsilon"]
-    if not (low > 0 and high <= 1):
-        raise ValueError(
-            f"keep probabilities density -/+ epsilon = {low:g} .. {high:g} must lie in (0, 1]: lower epsilon or "
-            "move density"
-        )
+    """density -/+ epsilon within (0, 1]; in mergekit's convention within (0, 1), and not checked where density is 1
+    (nothing is dropped)."""
+    count = max(len(v) for v in (params["density"], params["epsilon"], (0,)) if isinstance(v, tuple))
+    pairs = zip(per_expert_values(params["density"], count), per_expert_values(params["epsilon"], count), strict=True)
+    mergekit = params["convention"] == "mergekit"
+    for density, epsilon in pairs:
+        low, high = density - epsilon, density + epsilon
+        if mergekit and density >= 1:
+            continue
+        if not (low > 0 and (high < 1 if mergekit else high <= 1)):
+            interval = "(0, 1)" if mergekit else "(0, 1]"
+            raise ValueError(
+                f"keep probabilities density -/+ epsilon = {low:g} .. {high:g} must lie in {interval}: lower epsilon "
+                "or move density"
+            )
 
 
 @register(
@@ -100,10 +118,13 @@ def della(
     task_vectors: torch.Tensor,
     *,
     combine: Literal["sum", "disjoint_mean"],
-    density: Density = 0.5,
-    epsilon: Epsilon = 0.15,
+    density: Densities = 0.5,
+    epsilon: Epsilons = 0.15,
     seed: int = 0,
     scale: float = 1.0,
+    convention: Convention = "paper",
+    normalize: bool = True,
+    rescale: bool = True,
     tensor_name: str = "",
     expert_keys: Sequence[str] | None = None,
     weights: Sequence[float] | None = None,
@@ -112,14 +133,31 @@ def della(
     elect signs and average the agreeing entries (weighted by the expert weights, as TIES), times lambda.
 
     Args:
-        density: mean keep probability per entry, in (0, 1]; keep probabilities span density -/+ epsilon.
+        density: mean keep probability per entry, in (0, 1]; keep probabilities span density -/+ epsilon; one value,
+            or one per expert.
         epsilon: half-width of the keep probabilities: density - epsilon (smallest) to density + epsilon
-            (largest magnitude in the row), both within (0, 1].
+            (largest magnitude in the row), both within (0, 1]; one value, or one per expert.
         seed: seed of the random draws; the same seed gives the same merge.
         scale: lambda in merged = W_0 + lambda * disjoint_mean (della_linear: lambda * sum).
+        normalize: divide the (agreeing) entries' weighted sum by the sum of the (agreeing) weights: the disjoint
+            mean; false: the sum.
+        rescale: divide each kept entry by its keep probability (mergekit convention: scale each task vector to
+            its L1 norm); false: keep them as they are.
+        convention: paper, or mergekit: mergekit's arithmetic (L1 rescale, + elected where the sum is 0;
+            specmerge.methods.gta).
     """
-    pruned = magprune(task_vectors, density, epsilon, seed, tensor_name, expert_keys)
-    return combine_dropped(pruned, combine, scale, weights, {"density": density, "epsilon": epsilon})
+    if convention == "mergekit":
+        n = task_vectors.shape[0]
+        densities, epsilons = per_expert_values(density, n), per_expert_values(epsilon, n)
+        how = gta.Sparsify("della", densities, rescale, epsilon=epsilons, seed=seed, tensor_name=tensor_name)
+        elect = combine == "disjoint_mean"
+        pruned = gta.merge_drawn(
+            task_vectors, how, expert_keys, weights=weights, elect=elect, normalize=normalize, scale=scale
+        )
+        return LayerResult(pruned, {"n_experts": n})
+    pruned = magprune(task_vectors, density, epsilon, seed, tensor_name, rescale, expert_keys)
+    diagnostics = {"density": density, "epsilon": epsilon}
+    return combine_dropped(pruned, combine, scale, weights, diagnostics, normalize)
 
 
 della_linear = register_variant(
@@ -128,6 +166,7 @@ della_linear = register_variant(
     title="DELLA-linear",
     summary="DELLA without sign election: the (weighted) sum of the MagPruned task vectors, times lambda.",
     fixed={"combine": "sum"},
+    defaults={"normalize": False},
     settings=(),
     weights="any",
 )

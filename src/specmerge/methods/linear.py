@@ -88,8 +88,18 @@ def task_arithmetic(
 
 
 def _linear_coefficients(params: dict, weights: Sequence[float]) -> list[float]:
-    total = weight_sum(weights, "linear") if params["normalize"] else 1.0
+    if not params["normalize"]:
+        return list(weights)
+    total = weight_sum([params["base_weight"], *weights], "linear") if params["base_weight"] else None
+    total = weight_sum(weights, "linear") if total is None else total
     return [w / total for w in weights]
+
+
+def _base_weight_normalized(params: dict, n: int | None) -> None:
+    if params["base_weight"] and not params["normalize"]:
+        raise ValueError(
+            "base_weight weighs the base in the average (normalize: true); without normalize the base keeps weight 1"
+        )
 
 
 @register(
@@ -103,20 +113,52 @@ def _linear_coefficients(params: dict, weights: Sequence[float]) -> list[float]:
     weights="any",
     featured=False,  # without weights the weight average, already in the demo, speed and inspect lists
     settings=(),
+    check=_base_weight_normalized,
 )
 def linear(
-    task_vectors: torch.Tensor, *, normalize: bool = True, weights: Sequence[float] | None = None
+    task_vectors: torch.Tensor,
+    *,
+    normalize: bool = True,
+    base_weight: float = 0.0,
+    weights: Sequence[float] | None = None,
 ) -> LayerResult:
     """Linear (mergekit's name): the weighted average of the experts, W_0 + sum_i w_i tau_i / sum_i w_i.
 
     With normalize false the weighted sum W_0 + sum_i w_i tau_i (task arithmetic with lambda 1). The base keeps
-    weight 1 either way: mergekit's un-normalized linear, sum_i w_i W_i, also scales the base by sum_i w_i
-    (the two agree when the weights sum to 1). Give the base as an expert too (its task vector is 0) to weigh
-    it in the average. Without weights every expert weighs 1: the plain average (or sum).
+    weight 1 then: mergekit's un-normalized linear, sum_i w_i W_i, also scales the base by sum_i w_i (the two
+    agree when the weights sum to 1). With ``base_weight`` b the base is one of the models averaged:
+    (b W_0 + sum_i w_i W_i) / (b + sum_i w_i) = W_0 + sum_i w_i tau_i / (b + sum_i w_i) (mergekit's linear of
+    models among which the base is listed). Without weights every expert weighs 1: the plain average (or sum).
 
     Args:
         normalize: divide by the sum of the weights (a weighted average); false: the weighted sum.
+        base_weight: the base's own weight in the average (normalize true): 0 averages the experts alone.
     """
     w = (1.0,) * task_vectors.shape[0] if weights is None else weights
-    delta = weighted_sum(task_vectors, _linear_coefficients({"normalize": normalize}, w))
+    coefficients = _linear_coefficients({"normalize": normalize, "base_weight": base_weight}, w)
+    delta = weighted_sum(task_vectors, coefficients)
     return LayerResult(delta, {"n_experts": task_vectors.shape[0]})
+
+
+def _no_experts(params: dict, n: int | None) -> None:
+    if n:
+        raise ValueError(
+            f"passthrough copies the base as it is and takes no experts (got {n}): remove them (experts: []), or "
+            "choose a method that merges them"
+        )
+
+
+@register(
+    "passthrough",
+    citation="mergekit's passthrough",
+    title="Passthrough",
+    needs_matrix=False,
+    cost=linear_cost,
+    featured=False,
+    settings=(),
+    check=_no_experts,
+)
+def passthrough(task_vectors: torch.Tensor) -> LayerResult:
+    """Passthrough (mergekit's name): the base's tensors as they are, a copy; with a recipe's ``layers``, a
+    frankenmerge's stacked layers copied as they are. It takes no experts (the plan copies every tensor)."""
+    return LayerResult(torch.zeros(task_vectors.shape[1:], dtype=task_vectors.dtype, device=task_vectors.device))

@@ -29,6 +29,14 @@ Positive = Annotated[float, Field(gt=0)]
 Count = Annotated[int, Field(ge=0)]
 NonNegativeOrInf = Annotated[float, Field(ge=0, allow_inf_nan=True)]  # +inf means "no limit"; NaN is refused
 
+
+def per_expert(scalar: Any) -> Any:
+    """The type of a parameter that takes one value for every expert or a value per expert (a tuple, in the
+    experts' order): mergekit's per-model density, gamma and epsilon. A recipe gives per-expert values in its
+    experts' entries (``experts: [{path: ..., params: {density: 0.5}}]``); the plan passes the method a tuple."""
+    return typing.Union[scalar, tuple[scalar, ...]]  # noqa: UP007 (Annotated members)
+
+
 SEED_KEYWORDS = frozenset({"tensor_name", "expert_keys"})  # context a seeded method receives
 # keyword arguments the caller supplies, never the user: the seed context, the layer's real shape (factored
 # methods), the per-expert weights (weighted methods) and the base tensor W_0 (methods of whole weights, slerp)
@@ -47,6 +55,12 @@ class Param:
     @property
     def type_name(self) -> str:
         return _type_name(self.annotation)
+
+    @property
+    def per_expert(self) -> bool:
+        """Whether the parameter also takes one value per expert (:func:`per_expert`)."""
+        args = typing.get_args(self.annotation) if typing.get_origin(self.annotation) is typing.Union else ()
+        return any(typing.get_origin(a) is tuple for a in args)
 
 
 def signature_params(
@@ -95,6 +109,35 @@ def check_given(method: str, params: Mapping[str, Any], declared: Sequence[Param
             raise ValueError(f"method '{method}': parameter '{key}' must be a number, not NaN (got {value!r})")
 
 
+def check_validated(method: str, values: Mapping[str, Any], n: int | None) -> None:
+    """After validation: NaN from another spelling (where +inf is allowed) refused, and values per expert one for
+    each of ``n`` experts (when known)."""
+    for key, value in values.items():
+        if any(is_nan(v) for v in (value if isinstance(value, tuple) else (value,))):
+            raise ValueError(f"method '{method}': parameter '{key}' must be a number, not NaN")
+        if isinstance(value, tuple) and n is not None and len(value) != n:
+            raise ValueError(
+                f"method '{method}': parameter '{key}' has {len(value)} values, one per expert, for {n} experts"
+            )
+
+
+def validation_message(method: str, errors: Sequence[Any], params: Mapping[str, Any]) -> str:
+    """One line for pydantic's ``errors`` on ``params``: the first error of the branch the input chose (a parameter
+    that takes one value or one per expert, :func:`per_expert`, reports the tuple's error for a tuple)."""
+    first = errors[0]
+    for error in errors:
+        loc = error["loc"]
+        branch = next((str(x) for x in loc[1:] if isinstance(x, str)), None)
+        if branch is None or branch.startswith("tuple") == isinstance(
+            params.get(loc[0]) if loc else None, tuple | list
+        ):
+            first = error
+            break
+    name = first["loc"][0] if first["loc"] else "?"
+    index = next((f" (value {x} of the values per expert)" for x in first["loc"] if isinstance(x, int)), "")
+    return f"method '{method}': parameter '{name}' {first['msg'].lower()} (got {first.get('input')!r}){index}"
+
+
 def refuse_boolean_number(method: str, name: str, value: Any, annotation: Any) -> None:
     """A one-line ValueError for a boolean (or a list holding one) given to a parameter that is not a switch: YAML's
     ``false`` would otherwise be read as 0 (``scale: false`` merging nothing)."""
@@ -132,7 +175,10 @@ def _type_name(annotation: Any) -> str:
     if origin is Literal:
         return "{" + ",".join(str(a) for a in typing.get_args(annotation)) + "}"
     if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(annotation))
+        args = typing.get_args(annotation)
+        scalars = [a for a in args if typing.get_origin(a) is not tuple]
+        each = " (or one per expert)" if len(scalars) < len(args) else ""
+        return " | ".join(_type_name(a) for a in scalars) + each
     if annotation is type(None):
         return "None"
     return getattr(annotation, "__name__", str(annotation))

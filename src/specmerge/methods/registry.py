@@ -45,7 +45,15 @@ from specmerge.foreign import METHODS
 from specmerge.linalg.lowrank import FactoredResult, LoraDelta, factor_cores
 from specmerge.linalg.precision import compute_dtype
 from specmerge.methods.operations import CostFunction, Operations
-from specmerge.methods.params import SEED_KEYWORDS, Param, check_given, is_nan, parse_docstring, signature_params
+from specmerge.methods.params import (
+    SEED_KEYWORDS,
+    Param,
+    check_given,
+    check_validated,
+    parse_docstring,
+    signature_params,
+    validation_message,
+)
 from specmerge.methods.settings import Setting  # re-exported: methods import it from here
 
 # (validated params, per-expert weights: all 1.0 when none are given) -> c_i in merged delta = sum_i c_i tau_i
@@ -142,15 +150,9 @@ class Method:
         try:
             model = self._model.model_validate(dict(params))
         except ValidationError as err:
-            first = err.errors()[0]
-            loc = ".".join(str(x) for x in first["loc"])
-            raise ValueError(
-                f"method '{self.name}': parameter '{loc}' {first['msg'].lower()} (got {first.get('input')!r})"
-            ) from None
+            raise ValueError(validation_message(self.name, err.errors(), params)) from None
         values = model.model_dump()
-        for key, value in values.items():  # NaN from another spelling, where +inf is allowed
-            if is_nan(value):
-                raise ValueError(f"method '{self.name}': parameter '{key}' must be a number, not NaN")
+        check_validated(self.name, values, n)
         try:
             self.check is None or self.check(values, n)
         except ValueError as err:

@@ -96,10 +96,18 @@ def multislerp(
 
 
 @_mergekit_method("karcher", KARCHER_CITATION, "Karcher mean", 30, _two_or_more)
-def karcher(task_vectors: torch.Tensor, *, max_iter: int = 10, tol: float = 1e-5, base: torch.Tensor) -> LayerResult:
+def karcher(
+    task_vectors: torch.Tensor,
+    *,
+    max_iter: int = 10,
+    tol: float = 1e-5,
+    include_base: bool = False,
+    base: torch.Tensor,
+) -> LayerResult:
     """Karcher mean: the point of the unit sphere nearest, in summed squared arc length, to the experts' weights
     (W_i = W_0 + tau_i, flattened and normalized), found by Riemannian gradient steps from their normalized mean,
-    scaled by the mean of their norms. The base is not one of the points (mergekit's karcher without base_model).
+    scaled by the mean of their norms. The base is not one of the points unless ``include_base`` (mergekit's karcher
+    averages the models listed, and the base_model too when one is named).
 
     An expert of norm <= tol takes no part in the direction (its norm still counts in the length); a step of
     norm < tol, or ``max_iter`` steps, ends the iteration; a point within an angle tol of the mean adds nothing.
@@ -107,7 +115,10 @@ def karcher(task_vectors: torch.Tensor, *, max_iter: int = 10, tol: float = 1e-5
     Args:
         max_iter: at most this many gradient steps.
         tol: the norm, step and angle below which the iteration treats a quantity as zero.
+        include_base: the base W_0 is one of the points, first (then the mean of N + 1 weights).
     """
+    if include_base:
+        task_vectors = torch.cat([torch.zeros_like(task_vectors[:1]), task_vectors])
     n = task_vectors.shape[0]
     points = (task_vectors + base).reshape(n, -1)
     norms = [torch.linalg.vector_norm(p) for p in points]

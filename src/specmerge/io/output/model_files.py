@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from specmerge.errors import SpecmergeError
 from specmerge.io.formats.files import folder_file, read_json, write_json
 from specmerge.io.formats.names import CONFIG_FILE
 from specmerge.io.formats.protocol import SourceError, TensorInfo
@@ -67,6 +68,7 @@ def write_output_config(
     *,
     vocab_size: int | None = None,
     quantization: Mapping[str, Any] | None = None,
+    layers: int | None = None,
 ) -> str | None:
     """Make ``out_dir/config.json`` state the dtype the weights were written in; return it (None: nothing to do).
 
@@ -82,7 +84,8 @@ def write_output_config(
     A ``quantization_config`` (or ``compression_config``) taken over from a quantized input is removed
     (transformers would otherwise read the dense weights as quantized ones), and the console says so; with
     ``quantization`` (the weights written quantized, ``weights`` then being the dense tensors they stand for) it
-    becomes the config's ``quantization_config``.
+    becomes the config's ``quantization_config``. ``layers``: a frankenmerge's layer count, stated as
+    ``num_hidden_layers``.
     """
     counts: dict[torch.dtype, int] = {}
     for info in weights:
@@ -99,6 +102,8 @@ def write_output_config(
     stated["torch_dtype"] = name
     if vocab_size is not None:
         stated = _state_vocab_size(stated, vocab_size)
+    if layers is not None:
+        stated = _state_layers(stated, layers)
     if stated != config:
         write_json(path, stated, indent=2)
     return name
@@ -120,6 +125,42 @@ def _without_quantization(config: dict, dtype: str, say: bool = True) -> dict:
             )
             continue
         stated[key] = _without_quantization(value, dtype, say) if isinstance(value, dict) else value
+    return stated
+
+
+LAYER_COUNT = "num_hidden_layers"
+
+
+def check_layer_count(config: Any) -> None:
+    """Refuse a frankenmerge of a model whose config cannot say its new layer count: no ``num_hidden_layers``, or
+    a value listed per layer (``layer_types``: which value each stacked layer takes is not known)."""
+    where = _layer_config(config) if isinstance(config, dict) else None
+    if where is None:
+        raise SpecmergeError(
+            f"config.json states no {LAYER_COUNT}: a frankenmerge of this architecture is not supported"
+        )
+    per_layer = [k for k, v in where.items() if isinstance(v, list) and len(v) == where[LAYER_COUNT]]
+    if per_layer:
+        raise SpecmergeError(
+            f"config.json lists a value per layer ('{per_layer[0]}'): a frankenmerge of such a model is not supported"
+        )
+
+
+def _layer_config(config: dict) -> dict | None:
+    """The (sub-)config that states ``num_hidden_layers``: ``text_config`` where it does, else the top level."""
+    text = config.get("text_config")
+    if isinstance(text, dict) and LAYER_COUNT in text:
+        return text
+    return config if LAYER_COUNT in config else None
+
+
+def _state_layers(config: dict, layers: int) -> dict:
+    """A copy of ``config`` whose ``num_hidden_layers`` (``text_config``'s where it states it) is ``layers``."""
+    stated = dict(config)
+    if _layer_config(stated) is stated.get("text_config"):
+        stated["text_config"] = {**stated["text_config"], LAYER_COUNT: layers}
+    else:
+        stated[LAYER_COUNT] = layers
     return stated
 
 

@@ -283,7 +283,8 @@ def _settings(estimate: dict[str, Any]) -> list[str]:
     """Lines for the expert weights and the values that vary across layers, when there are any."""
     lines = []
     if estimate.get("expert_weights"):
-        lines.append(f"expert weights: {', '.join(f'{w:g}' for w in estimate['expert_weights'])} (in expert order)")
+        shown = ", ".join(f"{w:g}" if isinstance(w, float) else str(w) for w in estimate["expert_weights"])
+        lines.append(f"expert weights: {shown} (in expert order)")
     for key, value in estimate["params"].items():
         if isinstance(value, list):
             lines.append(

@@ -18,7 +18,7 @@ from specmerge.io.formats.protocol import TensorSource
 from specmerge.io.formats.stacks import expert_stacks
 from specmerge.io.hub.ids import InputResolution
 from specmerge.io.output.chat_template import ChosenTemplate, choose_template
-from specmerge.io.output.model_files import config_files, tokenizer_files
+from specmerge.io.output.model_files import check_layer_count, config_files, tokenizer_files
 from specmerge.io.output.readme import read_license
 from specmerge.io.quant.source import quantization_note
 from specmerge.io.views.experts import Expert
@@ -26,6 +26,7 @@ from specmerge.io.views.vocab import VocabularyPlan
 from specmerge.pipeline.inputs.align import align_inputs
 from specmerge.pipeline.inputs.configs import adapter_bases, compare_configs
 from specmerge.pipeline.inputs.open import input_notes, open_inputs, resolve_inputs
+from specmerge.pipeline.inputs.stack import stacked_inputs
 from specmerge.pipeline.plan.lora_output import check_lora_output
 from specmerge.pipeline.plan.rules import TensorPlan, make_plan
 from specmerge.pipeline.plan.summary import summarize
@@ -50,6 +51,7 @@ class PreparedMerge:
     vocabulary: VocabularyPlan | None = None  # the output's vocabulary and tokenizer (None: the base's files)
     base_quantized: Any = None  # the base's QuantizedSource when it is a quantized checkpoint (quantize: same)
     chat_template: ChosenTemplate | None = None  # the output's chat template (None: the tokenizer files' own)
+    layer_count: int | None = None  # a frankenmerge's layers (the output config's num_hidden_layers); None: as is
 
 
 def prepare_merge(stack: ExitStack, recipe: Recipe, output: str | Path | None) -> PreparedMerge:
@@ -58,6 +60,9 @@ def prepare_merge(stack: ExitStack, recipe: Recipe, output: str | Path | None) -
     resolved = resolve_inputs(recipe.base, recipe.experts)  # hub ids -> their cache snapshots
     base_path, expert_paths = resolved[0].path, [r.path for r in resolved[1:]]
     base, experts = open_inputs(stack, recipe.base, recipe.experts, output, resolved)
+    layer_count = None
+    if recipe.layers is not None:  # a frankenmerge: the output's tensors read from the stacked layers
+        base, layer_count = stacked_inputs(stack, recipe, base, base_path, output)
     quantization = [quantization_note(item) for item in (base, *experts)]  # before the views wrap them
     experts_opened, base_opened = list(experts), base
     config_notes = compare_configs(recipe, base_path, expert_paths)  # experts not of the base's architecture
@@ -68,6 +73,8 @@ def prepare_merge(stack: ExitStack, recipe: Recipe, output: str | Path | None) -
         if aligned.vocabulary is not None and aligned.vocabulary.tokenizer_from is not None:
             tokenizer_files(aligned.vocabulary.tokenizer_from)
     config = read_config(config_path)  # read once: which weights are stored (in, out), which are expert stacks
+    if layer_count is not None:
+        check_layer_count(config)  # the output config can state the frankenmerge's layer count
     transposed = weights_stored_in_out(config, base.infos(), experts)
     stacks = expert_stacks(config, base.infos())
     plan = make_plan(
@@ -96,5 +103,5 @@ def prepare_merge(stack: ExitStack, recipe: Recipe, output: str | Path | None) -
             notes["chat_template"] = template.source
     return PreparedMerge(
         recipe, base, experts, plan, summary, base_path, expert_paths, config_path, notes, resolved, aligned.vocabulary,
-        base_opened if quantization[0] else None, template,
+        base_opened if quantization[0] else None, template, layer_count,
     )  # fmt: skip

@@ -4,6 +4,8 @@ Every tensor of the base gets one action: ``merge`` (run a method on the N task 
 (W_0 + s * mean of the task vectors) or ``keep_base`` (copy W_0). The rules, in order, follow the
 paper (merge the 2-D linear weights, average the rest):
 
+0. The method ``passthrough`` (a copy of the base, or a frankenmerge's stacked layers): ``keep_base``, every tensor.
+
 1. Not floating point (integer buffers such as ``position_ids``, boolean masks): ``keep_base``.
    Overrides cannot change this: there is nothing to average in an index table.
 2. Overrides, in recipe order; the first whose fnmatch ``pattern`` matches the name wins.
@@ -62,7 +64,8 @@ import torch
 
 from specmerge.errors import SpecmergeError, closest_name
 from specmerge.methods import Method, get_method
-from specmerge.pipeline.recipe.layered import at_position, is_layered, layer_positions
+from specmerge.pipeline.plan.values import resolve
+from specmerge.pipeline.recipe.layered import layer_positions
 from specmerge.pipeline.recipe.model import DTYPES, Recipe
 
 Action = Literal["merge", "average", "keep_base"]
@@ -108,6 +111,7 @@ class TensorPlan:
         False  # stored (in, out), a Conv1D weight (specmerge.io.formats.layout): matrix methods see its transpose
     )
     stacked: bool = False  # [E, ., .]: E experts' linear weights (specmerge.io.formats.stacks), merged one by one
+    weights: tuple[float, ...] | None = None  # this tensor's expert weights (merge, average); None: none given
 
 
 class PlanError(SpecmergeError):
@@ -201,21 +205,20 @@ def make_plan(
     problems: list[str] = []
     for name, info in base.items():
         shape = tuple(int(d) for d in info.shape)
-        if name in own:
+        copied = "passthrough" if method.name == "passthrough" else own.get(name)  # no expert is read for these
+        if copied is not None:
             out_dtype = DTYPES[recipe.dtype] if recipe.dtype != "auto" and info.dtype.is_floating_point else info.dtype
-            plan.append(TensorPlan(name, shape, out_dtype, "keep_base", None, {}, own[name]))
+            plan.append(TensorPlan(name, shape, out_dtype, "keep_base", None, {}, copied))
             continue
         stack = stacks.get(name, "no")
-        entry = _plan_tensor(name, shape, info.dtype, method, recipe, average_params, used, stack)
+        entry, weights = _plan_tensor(name, shape, info.dtype, method, recipe, average_params, used, stack)
         if stack != "no" and entry.action == "merge":
             entry = dataclasses.replace(entry, stacked=True, transposed=bool(stack))
-        if is_layered(entry.params):  # a value per layer position: this tensor's
-            entry = dataclasses.replace(entry, params=_at_layer(entry, positions[name], len(experts)))
-        if entry.action == "average" and recipe.expert_weights and sum(recipe.expert_weights) == 0:
-            raise PlanError(
-                f"tensor '{name}' is averaged ({entry.reason}), and the weighted mean divides by the expert weights' "
-                "sum, which is 0: keep such tensors (non_matrix: keep_base, or an override) or change the weights"
-            )
+        try:  # the values of this tensor: gradients, conditions, per-expert values, weights
+            entry = resolve(entry, positions[name], weights, recipe.expert_params, len(experts))
+        except ValueError as err:
+            at = "" if positions[name] is None else f" (layer position {positions[name]:g})"
+            raise PlanError(f"tensor '{name}'{at}{' ' if str(err).startswith('is ') else ': '}{err}") from None
         if name in transposed:
             entry = dataclasses.replace(entry, transposed=True)
         plan.append(entry)
@@ -284,18 +287,6 @@ def dtype_kind(dtype: torch.dtype) -> str:
     return "floating point" if dtype.is_floating_point else "integer"
 
 
-def _at_layer(entry: TensorPlan, t: float | None, n: int) -> dict[str, Any]:
-    """The params of ``entry`` at layer position ``t`` (:mod:`specmerge.pipeline.recipe.layered`), validated again: a
-    value between two valid ones may still break a joint condition of the method."""
-    params = at_position(entry.params, t)
-    if entry.action != "merge":
-        return {key: float(value) for key, value in params.items()}
-    try:
-        return get_method(entry.method).validate(params, n)
-    except ValueError as err:
-        raise PlanError(f"tensor '{entry.name}' (layer position {t}): {err}") from None
-
-
 def _plan_tensor(
     name: str,
     shape: tuple[int, ...],
@@ -305,18 +296,20 @@ def _plan_tensor(
     average_params: dict[str, float],
     used: list[bool],
     stack: bool | Literal["no"] | None = "no",
-) -> TensorPlan:
+) -> tuple[TensorPlan, list[Any] | None]:
+    """The tensor's plan (params as given: gradients, conditions) and the expert weights it gets (unresolved)."""
     out_dtype = DTYPES[recipe.dtype] if recipe.dtype != "auto" and dtype.is_floating_point else dtype
     if not dtype.is_floating_point:
-        return TensorPlan(name, shape, out_dtype, "keep_base", None, {}, "not floating point")
+        return TensorPlan(name, shape, out_dtype, "keep_base", None, {}, "not floating point"), None
     for i, override in enumerate(recipe.overrides):
         if not fnmatch.fnmatchcase(name, override.pattern):
             continue
         used[i] = True
         reason = f"override '{override.pattern}'"
+        weights = recipe.expert_weights if override.expert_weights is None else override.expert_weights
         if override.action != "merge":
             params = dict(average_params) if override.action == "average" else {}
-            return TensorPlan(name, shape, out_dtype, override.action, None, params, reason)
+            return TensorPlan(name, shape, out_dtype, override.action, None, params, reason), weights
         chosen = get_method(override.method or recipe.method)
         if stack != "no":
             check_stack(name, shape, chosen, stack)
@@ -326,12 +319,13 @@ def _plan_tensor(
                 "which needs 2-D weights: narrow the pattern (e.g. to '*.weight'), or use action average "
                 "or an elementwise method"
             )
-        return TensorPlan(name, shape, out_dtype, "merge", chosen.name, dict(override.params), reason)
+        return TensorPlan(name, shape, out_dtype, "merge", chosen.name, dict(override.params), reason), weights
     action, reason = default_action(name, shape, dtype, method, recipe, stack)
+    weights = recipe.expert_weights
     if action == "merge":
-        return TensorPlan(name, shape, out_dtype, "merge", method.name, dict(recipe.params), reason)
+        return TensorPlan(name, shape, out_dtype, "merge", method.name, dict(recipe.params), reason), weights
     params = dict(average_params) if action == "average" else {}
-    return TensorPlan(name, shape, out_dtype, action, None, params, reason)
+    return TensorPlan(name, shape, out_dtype, action, None, params, reason), weights
 
 
 def _expert_problems(

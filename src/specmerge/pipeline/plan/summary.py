@@ -43,8 +43,8 @@ def not_merged_line(plan: Sequence[TensorPlan], method: str) -> str | None:
     every tensor gets it)."""
     groups: dict[tuple[str, str], list[str]] = {}
     for entry in plan:
-        if entry.action == "merge" and entry.method == method:
-            continue
+        if (entry.action == "merge" and entry.method == method) or entry.reason == method == "passthrough":
+            continue  # passthrough's copies are what it asks for
         got = (
             entry.method
             if entry.action == "merge"

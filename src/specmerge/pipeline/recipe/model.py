@@ -40,14 +40,17 @@ from specmerge.methods import all_methods, get_method
 from specmerge.pipeline.recipe.errors import TOO_DEEP, line_of, parse_yaml, recipe_error
 from specmerge.pipeline.recipe.expert_entries import (
     WEIGHTS_HELP,
+    check_expert_params,
     check_weights,
     default_expert_keys,
     normalize_weights,
     refuse_boolean_weights,
     split_entries,
 )
+from specmerge.pipeline.recipe.frankenmerge import LAYERS_HELP, LayerRange, check_layers
 from specmerge.pipeline.recipe.input_choice import BASE, CONFIG_SOURCE_HELP, MODULES_HELP, ConfigSource, ModuleSources
 from specmerge.pipeline.recipe.layered import validate_layered
+from specmerge.pipeline.recipe.override import Override
 from specmerge.pipeline.recipe.tokenizer_source import TOKENIZER_SOURCE_HELP, UNION, TokenizerSource
 from specmerge.pipeline.recipe.values import (
     ADDRESS_HELP,
@@ -73,40 +76,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-class Override(BaseModel):
-    """Treatment of the tensors whose name matches ``pattern`` (an fnmatch glob); the first match wins."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    pattern: str = Field(min_length=1)
-    action: Literal["merge", "average", "keep_base"] = "merge"
-    method: str | None = None  # for action=merge; None = the recipe's method
-    params: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _known_keys(cls, data: Any) -> Any:
-        if isinstance(data, Mapping):
-            pattern = data.get("pattern", "?")
-            for key in data:
-                if key not in cls.model_fields:
-                    message = unknown_name_message("override key", str(key), list(cls.model_fields))
-                    raise RecipeError(f"override '{pattern}': {message}", (key,))
-            if data.get("params", {}) is None:  # an empty `params:` in YAML
-                data = {**data, "params": {}}
-        return data
-
-    @model_validator(mode="after")
-    def _merge_only_options(self) -> Override:
-        if self.action != "merge" and (self.method is not None or self.params):
-            raise RecipeError(
-                f"override '{self.pattern}': 'method' and 'params' apply only to action 'merge', "
-                f"not '{self.action}'; remove them or set action: merge",
-                ("method" if self.method is not None else "params",),
-            )
-        return self
-
-
 class Recipe(BaseModel):
     """A complete, validated merge recipe."""
 
@@ -114,7 +83,6 @@ class Recipe(BaseModel):
 
     base: str = Field(min_length=1, description=f"base model: Hugging Face folder, .safetensors file or {HUB_SPEC}")
     experts: list[str] = Field(
-        min_length=1,
         description=f"fine-tuned experts of the same base: model folders/files, PEFT LoRA adapters or {HUB_SPEC}",
     )
     expert_keys: Annotated[list[str] | None, Flag("--expert-key", metavar="NAME")] = Field(
@@ -125,7 +93,7 @@ class Recipe(BaseModel):
         "seed each expert's mask from its weights, never from its name",
     )
     expert_weights: Annotated[
-        list[float] | None, BeforeValidator(refuse_boolean_weights), Flag("--weight", metavar="W")
+        list[float | list[Any]] | None, BeforeValidator(refuse_boolean_weights), Flag("--weight", metavar="W")
     ] = Field(default=None, validate_default=True, description=WEIGHTS_HELP)
     method: Annotated[str, Flag("--method", "-m")] = Field(
         default="swudi_a", description="merge method (see `specmerge methods`)"
@@ -143,6 +111,13 @@ class Recipe(BaseModel):
         description="per-tensor treatment: pattern (fnmatch glob), action merge / average / keep_base, method, "
         "params; the first matching pattern wins (repeatable; on the command line PATTERN=RULE, RULE keep_base, "
         "average, merge or a method with optional :key=value,..., e.g. '*.mlp.*=ties:density=0.3')",
+    )
+    expert_params: Annotated[list[dict[str, Any]] | None, Flag("--expert-params", metavar="{KEY: VALUE}")] = Field(
+        default=None,
+        validate_default=True,
+        description="each expert's own values of the method's per-expert parameters (density, gamma, epsilon; "
+        "mergekit's per-model parameters), one mapping per expert in order (repeatable, e.g. '{density: 0.5}'); in "
+        "a recipe experts: [{path: ..., params: {density: 0.5}}]",
     )
     non_matrix: Literal["average", "keep_base"] = Field(
         default="average", description="what the tensors the method does not take get"
@@ -182,6 +157,7 @@ class Recipe(BaseModel):
     config_source: ConfigSource = Field(default=BASE, description=CONFIG_SOURCE_HELP)
     modules: ModuleSources = Field(default_factory=dict, validate_default=True, description=MODULES_HELP)
     tokenizer_source: TokenizerSource = Field(default=UNION, description=TOKENIZER_SOURCE_HELP)
+    layers: list[LayerRange] | None = Field(default=None, description=LAYERS_HELP)
     executor: Literal["local", "ray"] = Field(default="local", description=EXECUTOR_HELP)
     address: Annotated[str | None, Flag(metavar="ADDRESS")] = Field(default=None, description=ADDRESS_HELP)
 
@@ -329,7 +305,21 @@ class Recipe(BaseModel):
                 raise RecipeError(f"override '{override.pattern}': {err}", (i, "params")) from None
             named = {"method": method.name} if override.method else {}
             completed.append(override.model_copy(update={"params": params, **named}))
+        n = len(info.data["experts"]) if info.data.get("experts") else None
+        for i, override in enumerate(completed):
+            if override.expert_weights is not None:
+                weights = normalize_weights(override.expert_weights, n) or [1.0] * len(override.expert_weights)
+                completed[i] = override.model_copy(update={"expert_weights": weights})
         return completed
+
+    @field_validator("expert_params")
+    @classmethod
+    def _expert_params(cls, own: list[dict[str, Any]] | None, info: ValidationInfo) -> list[dict[str, Any]] | None:
+        if "method" not in info.data or "params" not in info.data or "overrides" not in info.data:
+            return own  # an error in those is reported
+        method, overrides = info.data["method"], info.data["overrides"]
+        merging = [(o.method or method, o.params) for o in overrides if o.action == "merge"]
+        return check_expert_params(own, info.data.get("expert_keys"), [(method, info.data["params"]), *merging])
 
     @field_validator("max_rank", mode="before")
     @classmethod
@@ -347,8 +337,12 @@ class Recipe(BaseModel):
                 raise RecipeError(f"{key} applies to a merged model (output_format model), not to an adapter")
         if self.address is not None and self.executor != "ray":
             raise RecipeError("address (a Ray cluster) applies only to executor ray; remove it or set executor: ray")
+        check_layers(self)
         merging = [(o.method or self.method, o.params) for o in self.overrides if o.action == "merge"]
         check_weights(self.expert_weights, [(self.method, self.params), *merging])
+        for o in self.overrides:
+            if o.expert_weights is not None:
+                check_weights(o.expert_weights, [(o.method or self.method, o.params)] if o.action == "merge" else [])
         return self
 
 
@@ -391,6 +385,10 @@ def _resolve_paths(data: dict[str, Any], folder: Path) -> dict[str, Any]:
     data = dict(data)
     if "base" in data:
         data["base"] = resolve(data["base"])
+    if isinstance(data.get("layers"), list):
+        data["layers"] = [
+            {**r, "model": resolve(r["model"])} if isinstance(r, dict) and "model" in r else r for r in data["layers"]
+        ]
     if isinstance(data.get("experts"), list):
         data["experts"] = [
             {**e, "path": resolve(e["path"])} if isinstance(e, dict) and "path" in e else resolve(e)

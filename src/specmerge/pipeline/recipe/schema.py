@@ -27,15 +27,23 @@ def _params_by_method(method_key: str, default: str | None) -> list[dict[str, An
 
 
 def _layered(params: dict[str, Any]) -> dict[str, Any]:
-    """A method's params schema where every float parameter may also be a list of values across layers
-    (:mod:`specmerge.pipeline.recipe.layered`)."""
+    """A method's params schema where every float parameter may also be a list of values across layers or a list of
+    conditions (:mod:`specmerge.pipeline.recipe.layered`); values per expert go in the experts' entries."""
     for name, prop in params.get("properties", {}).items():
-        if prop.get("type") == "number":
-            value = {key: v for key, v in prop.items() if key not in ("default", "description", "title")}
+        number = next((p for p in prop.get("anyOf", []) if p.get("type") == "number"), None)  # one or per expert
+        if prop.get("type") == "number" or number is not None:
+            value = {k: v for k, v in (number or prop).items() if k not in ("default", "description", "title")}
             layered = {"type": "array", "items": value, "minItems": 1}
-            params["properties"][name] = {**prop, "anyOf": [value, layered]}
-            for key in value:
-                params["properties"][name].pop(key)
+            condition = {
+                "type": "object",
+                "properties": {"filter": {"type": "string"}, "pattern": {"type": "string"}},
+                "required": ["value"],
+                "additionalProperties": False,
+            }
+            condition["properties"]["value"] = {"anyOf": [value, layered]}  # type: ignore[index]
+            conditions = {"type": "array", "items": condition, "minItems": 1}
+            kept = {k: v for k, v in prop.items() if k in ("default", "description", "title")}
+            params["properties"][name] = {**kept, "anyOf": [value, layered, conditions]}
     return params
 
 

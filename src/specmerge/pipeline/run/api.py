@@ -35,6 +35,8 @@ from specmerge.pipeline.inputs.open import portable_recipe, portable_spec, refus
 from specmerge.pipeline.inputs.related import check_related
 from specmerge.pipeline.plan.prepare import PreparedMerge, prepare_merge
 from specmerge.pipeline.plan.summary import say_not_merged
+from specmerge.pipeline.recipe.mergekit import convert as convert_mergekit
+from specmerge.pipeline.recipe.mergekit import load_mergekit, say_conversion
 from specmerge.pipeline.recipe.model import DTYPES, Recipe
 from specmerge.pipeline.run.card import card_for
 from specmerge.pipeline.run.executor import StreamingExecutor
@@ -46,9 +48,9 @@ from specmerge.version import __version__
 
 
 def merge(
-    base: str | os.PathLike,
-    experts: Sequence[str | os.PathLike],
-    output: str | os.PathLike,
+    base: str | os.PathLike | None = None,
+    experts: Sequence[str | os.PathLike] | None = None,
+    output: str | os.PathLike | None = None,
     *,
     method: str = "swudi_a",
     params: dict[str, Any] | None = None,
@@ -57,9 +59,14 @@ def merge(
     fsync: bool = True,
     threads: int | None = None,
     executor: Executor | str | None = None,
+    mergekit_config: str | os.PathLike | Mapping[str, Any] | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Merge ``experts`` (fine-tuned from ``base``) into a new model folder ``output``; return the report.
+
+    ``mergekit_config`` (a mergekit YAML file, or its parsed mapping) stands for ``base``, ``experts``, ``method``
+    and ``params``: the config is run with mergekit's meaning (:mod:`specmerge.pipeline.recipe.mergekit`); the
+    ``options`` it does not set (device, shard_size, ...) may still be given.
 
     ``options`` are the other recipe fields (overrides, dtype, device, shard_size, non_matrix, ...),
     see :class:`specmerge.pipeline.recipe.model.Recipe`. Everything is validated before any tensor is read. With
@@ -71,7 +78,16 @@ def merge(
     """
     if isinstance(executor, str):
         options, executor = {**options, "executor": executor}, None
-    recipe = merge_recipe(base, experts, method=method, params=params, **options)
+    if output is None:
+        raise RecipeError("merge: give the output folder (output=...)")
+    if mergekit_config is not None:
+        if base is not None or experts is not None or method != "swudi_a" or params is not None:
+            raise RecipeError("a mergekit config names the models, the method and its parameters: give it alone")
+        recipe = mergekit_recipe(mergekit_config, **options)
+    elif experts is None:
+        raise RecipeError("merge: give the base and the experts (or mergekit_config=...)")
+    else:
+        recipe = merge_recipe(base, experts, method=method, params=params, **options)
     return run_recipe(
         recipe, output, overwrite=overwrite, progress=progress, fsync=fsync, threads=threads, executor=executor
     )
@@ -95,6 +111,24 @@ def merge_recipe(
             **options,
         }
     )
+
+
+def mergekit_recipe(config: str | os.PathLike | Mapping[str, Any], **options: Any) -> Recipe:
+    """The recipe of a mergekit config (a YAML file or its mapping) with mergekit's meaning, its differences from
+    mergekit said on the console, and the ``options`` it does not set (device, shard_size, ...) added."""
+    if isinstance(config, Mapping):
+        conversion = convert_mergekit(config)
+    else:
+        conversion = load_mergekit(config)
+        if conversion is None:
+            raise RecipeError(f"{config} is not a mergekit config (merge_method and models): run it as a recipe")
+    taken = [key for key in options if key in conversion.data]
+    if taken:
+        raise RecipeError(f"'{taken[0]}' is set by the mergekit config: change it there")
+    say_conversion(conversion)
+    if not options:
+        return conversion.recipe
+    return Recipe.from_dict({**conversion.data, **options})
 
 
 def _path_list(experts: Any) -> list[Any]:
@@ -264,7 +298,7 @@ def model_files(prepared: PreparedMerge, folder: Path, quantization: Mapping[str
         apply_template(folder, prepared.chat_template)
     rows = None if vocabulary is None else vocabulary.rows
     infos = [TensorInfo(p.name, p.shape, p.out_dtype) for p in prepared.plan]
-    write_output_config(folder, infos, vocab_size=rows, quantization=quantization)
+    write_output_config(folder, infos, vocab_size=rows, quantization=quantization, layers=prepared.layer_count)
 
 
 def record_output(

@@ -47,20 +47,20 @@ from specmerge.pipeline.run.work import Inputs, Outcome, Progress, WorkItem, rea
 
 @dataclass(frozen=True)
 class ComputeOptions:
-    """Where and how work items are computed: the device, the compute dtype, the keys that seed seeded
-    methods and the per-expert weights (one per expert each; None: seeded by content, no weights)."""
+    """Where and how work items are computed: the device, the compute dtype and the keys that seed seeded
+    methods (one per expert; None: seeded by content). Each tensor's expert weights are its plan's
+    (``TensorPlan.weights``)."""
 
     device: torch.device
     compute_dtype: torch.dtype = torch.float32
     expert_keys: Sequence[str] | None = None
-    expert_weights: Sequence[float] | None = None
 
     @classmethod
     def for_recipe(cls, recipe: Recipe) -> ComputeOptions:
-        """The recipe's device, compute dtype and expert weights; seeded methods key each expert by its weights'
-        content (no expert keys), so a merge never depends on folder names."""
+        """The recipe's device and compute dtype; seeded methods key each expert by its weights' content (no expert
+        keys), so a merge never depends on folder names."""
         device, dtype = resolve_device(recipe.device), getattr(torch, recipe.compute_dtype)
-        return cls(device, dtype, None, recipe.expert_weights)
+        return cls(device, dtype, None)
 
 
 class ModelJob:
@@ -162,7 +162,7 @@ class ModelJob:
                 device=o.device,
                 compute_dtype=o.compute_dtype,
                 expert_keys=o.expert_keys,
-                weights=o.expert_weights,
+                weights=item.entry.weights,
             )
         except NonFiniteInput as err:
             raise locate_nonfinite(item.entry, self.base, self.experts, err) from None
@@ -176,7 +176,7 @@ class ModelJob:
         method merges with the same parameters, shape, layout and output dtype, with no stored projections and no
         per-expert weights; None: computed alone."""
         entry = item.entry
-        if item.rows is not None or not spectral_batchable(entry) or self.options.expert_weights is not None:
+        if item.rows is not None or not spectral_batchable(entry) or entry.weights is not None:
             return None
         if item.name in self.layers or item.name in self.on_cpu:
             return None
@@ -337,7 +337,7 @@ class AdapterJob:
                 max_rank=self.max_rank,
                 out_dtype=self.out_dtype,
                 expert_keys=o.expert_keys,
-                weights=o.expert_weights,
+                weights=item.entry.weights,
             )
         except NonFiniteInput as err:
             raise locate_nonfinite(item.entry, None, self.experts, err) from None

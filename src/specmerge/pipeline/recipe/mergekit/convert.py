@@ -1,0 +1,372 @@
+"""A mergekit config as a specmerge recipe with mergekit's meaning (``specmerge convert``, ``specmerge run``).
+
+The conversion gives every parameter mergekit's default when the config omits it (lambda 1, density 1, ...), puts
+each one where specmerge takes it (:mod:`.methods`), keeps gradients and ``filter`` conditions as they are (a
+recipe's values mean the same, :mod:`specmerge.pipeline.recipe.layered`), merges embeddings and ``lm_head`` with the
+method (mergekit merges every tensor) and runs the task-arithmetic family in mergekit's convention. What it cannot
+honour it refuses in one line; what it honours with a small difference (the arithmetic's precision, random draws)
+it lists in :attr:`Conversion.differences`, which ``specmerge run`` prints and ``specmerge convert`` writes as
+comments.
+
+Model references are folders or hub ids, as mergekit reads them: a relative folder is taken from the current
+directory, as mergekit-yaml does (not from the config's folder).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from specmerge.errors import RecipeError, unknown_name_message
+from specmerge.pipeline.recipe.errors import parse_yaml
+from specmerge.pipeline.recipe.expert_entries import default_expert_keys
+from specmerge.pipeline.recipe.layered import first_value, validate_value, varies
+from specmerge.pipeline.recipe.mergekit.config import MergekitConfig, ModelEntry, is_mergekit_config, parse_config
+from specmerge.pipeline.recipe.mergekit.methods import DIALECTS, NOT_YET, REQUIRED, Dialect, Target
+from specmerge.pipeline.recipe.model import Recipe
+
+DTYPES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}  # fmt: skip
+TEMPLATE_NAMES = ("chatml", "llama3", "alpaca", "mistral", "exaone")  # mergekit's built-in chat templates
+
+
+@dataclass
+class Conversion:
+    """A mergekit config as a specmerge recipe: ``data`` (what ``specmerge convert`` prints), the validated
+    ``recipe``, and what the console says of it: every place where the meaning differs from mergekit's, and every
+    parameter given that changes nothing (as in mergekit)."""
+
+    data: dict[str, Any]
+    recipe: Recipe
+    differences: list[str] = field(default_factory=list)
+
+    def to_yaml(self, source: str = "") -> str:
+        """The recipe as YAML, with the differences as comments above it."""
+        lines = [f"# specmerge recipe converted from the mergekit config {source}".rstrip()]
+        lines += [f"# {note}" for note in self.differences]
+        return "\n".join(lines) + "\n" + yaml.safe_dump(self.data, sort_keys=False, default_flow_style=None)
+
+
+def convert(data: Mapping[str, Any]) -> Conversion:
+    """The specmerge recipe of the mergekit config ``data`` (a parsed YAML document); a one-line RecipeError for what
+    cannot be run with mergekit's meaning."""
+    config = parse_config(data)
+    name = config.merge_method
+    if config.modules is not None:
+        raise RecipeError("'modules': mergekit's per-module merges are not supported", ("modules",))
+    if config.slices is not None or name == "passthrough":
+        return _passthrough(config)
+    if name in NOT_YET:
+        raise RecipeError(f"merge_method '{name}': {NOT_YET[name]}", ("merge_method",))
+    if name not in DIALECTS:
+        known = [*DIALECTS, "passthrough"]
+        raise RecipeError(unknown_name_message("mergekit merge_method", name, known), ("merge_method",))
+    dialect = DIALECTS[name]
+    base, experts, base_entry = _split_models(config, dialect)
+    differences: list[str] = []
+    given = dict(config.parameters or {})
+    params, shared_weights = _shared(dialect, given, name, differences)
+    weights, own, common = _per_model(dialect, experts, given, differences)
+    params.update(common)
+    out: dict[str, Any] = {"base": base, "experts": [], "method": dialect.method}
+    keys = default_expert_keys([e.model for e in experts])
+    for i, entry in enumerate(experts):
+        expert: dict[str, Any] = {"path": entry.model}
+        if weights is not None:
+            expert["weight"] = weights[i]
+        if own[i]:
+            expert["params"] = own[i]
+        out["experts"].append(expert if len(expert) > 1 else entry.model)
+    if dialect.method == "linear":
+        _linear_base(base_entry, given, params, weights, shared_weights)
+    elif base_entry is not None and base_entry.parameters:
+        differences.append(
+            f"the base's own parameters ({', '.join(base_entry.parameters)}) are not used by {name}, as in mergekit"
+        )
+    if name == "task_arithmetic" and params.pop("normalize", False):
+        out["method"] = "weight_average"  # lambda * sum_i w_i tau_i / sum_i w_i
+    out["params"] = params
+    out["merge_embeddings"] = True  # mergekit merges every tensor
+    _outputs(config, out, keys, [e.model for e in experts], base, differences)
+    return _validated(out, differences)
+
+
+def load_mergekit(path: str | os.PathLike) -> Conversion | None:
+    """The conversion of the mergekit config in the YAML file ``path``, or None when the file is not one."""
+    text = Path(path).read_text(encoding="utf-8")
+    data = parse_yaml(text, Path(path))
+    if not is_mergekit_config(data):
+        return None
+    try:
+        return convert(data)
+    except RecipeError as err:
+        raise RecipeError(f"{path}: {err}", err.loc) from None
+
+
+def _passthrough(config: MergekitConfig) -> Conversion:
+    """``passthrough``: of one model, its copy; of ``slices`` (one source each), a frankenmerge (``layers``)."""
+    if config.slices is None:
+        models = config.models or []
+        if len(models) != 1 or models[0].parameters:
+            raise RecipeError("passthrough of models copies exactly one model, without parameters", ("models",))
+        return _finish(config, {"base": models[0].model, "experts": [], "method": "passthrough"}, [])
+    if config.merge_method != "passthrough":
+        raise RecipeError(
+            f"slices with merge_method '{config.merge_method}' (layer ranges merged with each other) are not "
+            "supported: give each slice one source and merge_method passthrough, or use models",
+            ("merge_method",),
+        )
+    layers = []
+    for i, piece in enumerate(config.slices or []):
+        sources = piece.get("sources") if isinstance(piece, Mapping) else None
+        extra = [key for key in (piece if isinstance(piece, Mapping) else {}) if key != "sources"]
+        if not isinstance(sources, list) or len(sources) != 1 or extra:
+            raise RecipeError(
+                f"slices[{i}]: a passthrough slice has exactly one source and nothing else", ("slices", i)
+            )
+        source = sources[0]
+        unknown = [key for key in source if key not in ("model", "layer_range")] if isinstance(source, Mapping) else []
+        if not isinstance(source, Mapping) or "model" not in source or "layer_range" not in source or unknown:
+            raise RecipeError(f"slices[{i}]: a source is {{model: M, layer_range: [A, B]}}", ("slices", i))
+        layers.append({"model": source["model"], "range": source["layer_range"]})
+    base = config.base_model or layers[0]["model"]
+    return _finish(config, {"base": base, "experts": [], "method": "passthrough", "layers": layers}, [])
+
+
+def _finish(config: MergekitConfig, out: dict[str, Any], differences: list[str]) -> Conversion:
+    """The conversion of ``out`` (the recipe so far) with the config's output keys, validated as a recipe."""
+    if config.merge_method == "passthrough" and config.parameters:
+        raise RecipeError(f"passthrough takes no parameters, got {sorted(config.parameters)}", ("parameters",))
+    _outputs(config, out, [], [], out["base"], differences)
+    return _validated(out, differences)
+
+
+def _validated(out: dict[str, Any], differences: list[str]) -> Conversion:
+    try:
+        recipe = Recipe.from_dict(out)
+    except RecipeError as err:
+        raise RecipeError(f"the mergekit config as a specmerge recipe: {err}", err.loc) from None
+    return Conversion(out, recipe, differences)
+
+
+def say_conversion(conversion: Conversion, stream: Any = None) -> None:
+    """On the console (stderr): the method the config runs as, and each difference from mergekit."""
+    stream = stream or sys.stderr
+    print(f"mergekit config: run with mergekit's meaning as specmerge's '{conversion.recipe.method}'", file=stream)
+    for note in conversion.differences:
+        print(f"mergekit config: {note}", file=stream)
+
+
+def _split_models(config: MergekitConfig, dialect: Dialect) -> tuple[str, list[ModelEntry], ModelEntry | None]:
+    """The base model, the other models (the experts) and the base's own entry among the models (or None)."""
+    entries = list(config.models or [])
+    for i, entry in enumerate(entries):
+        if "+" in entry.model and not os.path.exists(entry.model):
+            raise RecipeError(
+                f"models[{i}]: '{entry.model}' is a model with a LoRA applied (model+lora): merge the LoRA into the "
+                "model first (specmerge merges LoRA experts given as adapters over the base)",
+                ("models", i),
+            )
+    names = [entry.model for entry in entries]
+    base = config.base_model
+    if base is None and dialect.base == "required":
+        raise RecipeError(
+            f"merge_method '{config.merge_method}' needs base_model: name the model the others were tuned from"
+        )
+    if base is None and dialect.base == "optional":
+        raise RecipeError(
+            f"merge_method '{config.merge_method}' without base_model (a mean of the models' own weights) is not "
+            "built yet: name the base_model the models were fine-tuned from"
+        )
+    if base is None:  # linear, karcher: the first model stands as the base
+        base = names[0]
+    if dialect.method == "linear" and base not in names:
+        raise RecipeError(
+            f"linear averages the models listed, and base_model '{base}' is not among them: list it under models "
+            "with its weight, or remove base_model"
+        )
+    base_entry = entries[names.index(base)] if base in names else None
+    experts = [entry for entry in entries if entry.model != base]
+    low, high = dialect.models
+    if len(experts) < low or (high is not None and len(experts) > high):
+        count = f"exactly {low}" if low == high else f"at least {low}" if high is None else f"{low} to {high}"
+        raise RecipeError(
+            f"merge_method '{config.merge_method}' takes {count} model(s) besides the base, got {len(experts)}"
+        )
+    return base, experts, base_entry
+
+
+def _shared(
+    dialect: Dialect, given: Mapping[str, Any], method: str, differences: list[str]
+) -> tuple[dict[str, Any], Any]:
+    """The specmerge params from the config's ``parameters`` (mergekit's defaults for those omitted), and a weight
+    given there for every model (or None)."""
+    params = dict(dialect.fixed)
+    for key in given:
+        if key not in dialect.shared and key not in dialect.per_model:
+            known = [*dialect.shared, *dialect.per_model]
+            raise RecipeError(
+                unknown_name_message(f"parameter of mergekit's {method}", key, known), ("parameters", key)
+            )
+    for key, target in dialect.shared.items():
+        value = given.get(key, target.default)
+        if value is REQUIRED:
+            raise RecipeError(
+                f"mergekit's {method} needs parameters: {{{key}: ...}} (it has no default)", ("parameters",)
+            )
+        if target.kind == "none":
+            if key in given and value != target.default:
+                differences.append(f"{key}: {value} changes nothing in mergekit's {method} ({target.why}): not used")
+            continue
+        params[target.name] = _mapped(value, target, f"parameters.{key}")
+    return params, given.get("weight")
+
+
+def _per_model(
+    dialect: Dialect, experts: Sequence[ModelEntry], given: Mapping[str, Any], differences: list[str]
+) -> tuple[list[Any] | None, list[dict[str, Any]], dict[str, Any]]:
+    """Each expert's weight (None when the method takes none) and own params (mergekit's per-model parameters, with
+    those in ``parameters`` and then mergekit's defaults for the rest), or those params once when every expert has
+    the same (then the experts' own are empty)."""
+    own: list[dict[str, Any]] = [{} for _ in experts]
+    weights: list[Any] | None = [] if "weight" in dialect.per_model else None
+    for i, entry in enumerate(experts):
+        for key in entry.parameters or {}:
+            if key in dialect.shared:
+                raise RecipeError(
+                    f"model '{entry.model}': '{key}' is one value for the whole merge: put it under parameters",
+                    ("models", i, key),
+                )
+            if key not in dialect.per_model:
+                known = list(dialect.per_model) or ["none"]
+                raise RecipeError(
+                    unknown_name_message(f"per-model parameter of mergekit's {dialect.method}", key, known),
+                    ("models", i, key),
+                )
+    for key, target in dialect.per_model.items():
+        values = []
+        for entry in experts:
+            value = (entry.parameters or {}).get(key, given.get(key, target.default))
+            if value is REQUIRED:
+                raise RecipeError(f"model '{entry.model}' has no {key} (mergekit requires one for {dialect.method})")
+            values.append(value)
+        if target.kind == "none":
+            if any(v != target.default for v in values):
+                differences.append(f"{key} changes nothing in mergekit's {dialect.method} ({target.why}): not used")
+            continue
+        mapped = [_mapped(v, target, f"{key} of model '{e.model}'") for v, e in zip(values, experts, strict=True)]
+        if target.kind == "weights" and weights is not None:
+            weights.extend(mapped)
+        else:
+            for i, value in enumerate(mapped):
+                own[i][target.name] = value
+    common = own[0] if own and all(o == own[0] for o in own) else {}  # the same for every model: the method's
+    return weights, [{} for _ in experts] if common else own, common
+
+
+def _mapped(value: Any, target: Target, what: str) -> Any:
+    """A mergekit setting (number, gradient, conditions, or a boolean) as the specmerge value (mapped number by
+    number); a boolean or text that varies is refused (specmerge varies numbers only)."""
+    if not varies(value):
+        if target.value is None or isinstance(value, bool):
+            return value
+        return target.value(float(value))
+
+    def number(leaf: Any, k: int) -> Any:
+        if isinstance(leaf, bool) or not isinstance(leaf, int | float):
+            raise ValueError(f"{what}: value {k} is {leaf!r}: only numbers vary across layers or filters in specmerge")
+        return target.value(float(leaf)) if target.value else leaf
+
+    try:
+        return validate_value(value, number, what)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+
+
+def _linear_base(
+    base_entry: ModelEntry | None,
+    given: Mapping[str, Any],
+    params: dict[str, Any],
+    weights: list[Any] | None,
+    every: Any,
+) -> None:
+    """linear with the base among the models: its weight is ``base_weight``; without normalize the weights must sum
+    to 1 (mergekit's sum of the models, the base's too, is then the base plus the weighted task vectors)."""
+    base_weight = (base_entry.parameters or {}).get("weight", every) if base_entry else None
+    if base_entry is not None and base_weight is None:
+        raise RecipeError(f"model '{base_entry.model}' has no weight (mergekit requires one for linear)")
+    if base_weight is not None:
+        params["base_weight"] = base_weight
+    if params.get("normalize", True):
+        return
+    values = [base_weight or 0, *(weights or [])]
+    if any(varies(v) for v in values) or abs(sum(float(first_value(v)) for v in values) - 1) > 1e-9:
+        raise RecipeError(
+            "linear with normalize: false sums the models' weights, the base's too, scaled by their weights; "
+            f"specmerge takes it only with constant weights that sum to 1 (got {values}): give such weights, or "
+            "normalize: true",
+            ("parameters", "normalize"),
+        )
+    params["normalize"] = True  # weights summing to 1: the same average
+
+
+def _outputs(
+    config: MergekitConfig,
+    out: dict[str, Any],
+    keys: Sequence[str],
+    paths: Sequence[str],
+    base: str,
+    differences: list[str],
+) -> None:
+    """dtype, out_dtype, tokenizer_source, tokenizer and chat_template as specmerge's keys."""
+    for key in ("dtype", "out_dtype"):
+        value = getattr(config, key)
+        if value is not None and value not in DTYPES:
+            raise RecipeError(f"{key} '{value}': give one of {', '.join(sorted(set(DTYPES)))}", (key,))
+    out_dtype = config.out_dtype or config.dtype
+    if out_dtype:  # else each tensor's own dtype, as mergekit keeps the models'
+        out["dtype"] = DTYPES[out_dtype]
+    if config.dtype is not None and DTYPES[config.dtype] != "float32":
+        differences.append(
+            f"differs from mergekit: mergekit computes in dtype {config.dtype}; specmerge computes in float32 and "
+            "rounds once to the output dtype (tensors differ by that dtype's round-off)"
+        )
+    source = config.tokenizer_source
+    if config.tokenizer is not None:
+        unknown = [key for key in config.tokenizer if key != "source"]
+        if unknown:
+            raise RecipeError(f"tokenizer: '{unknown[0]}' (mergekit's token surgery) is not supported", ("tokenizer",))
+        if source is not None:
+            raise RecipeError("give the tokenizer's source once: tokenizer_source or tokenizer.source", ("tokenizer",))
+        source = config.tokenizer.get("source")
+    if source in (None, "base") or source == base:
+        out["tokenizer_source"] = "base"
+    elif source == "union":
+        out["tokenizer_source"] = "union"
+    elif source in paths:
+        out["tokenizer_source"] = keys[list(paths).index(source)]
+    else:
+        raise RecipeError(f"tokenizer_source '{source}' is not one of the models: give union, base or one of them")
+    template = config.chat_template
+    if template in TEMPLATE_NAMES:
+        raise RecipeError(
+            f"chat_template '{template}' is one of mergekit's built-in templates, which specmerge does not ship: give "
+            "the template's text or a .jinja file",
+            ("chat_template",),
+        )
+    if template not in (None, "auto"):
+        out["chat_template"] = template
+    elif template == "auto":
+        differences.append(
+            "differs from mergekit: chat_template auto takes the most common template in mergekit; specmerge takes the "
+            "experts' when they agree, else the base's, and refuses experts that differ (it says which one it took)"
+        )
