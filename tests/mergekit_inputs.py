@@ -1,7 +1,9 @@
 """The tiny models of the mergekit corpus (tests/mergekit_corpus, issue 51): a 4-layer Llama base and three experts,
 built the same way by bench/mergekit_reference.py (which runs mergekit on them once, for the committed reference
 outputs) and by the tests (which run specmerge on them and compare). Each config names its models ``$base``,
-``$e0``, ``$e1``, ``$e2``; :func:`render` puts the folders in."""
+``$e0``, ``$e1``, ``$e2``; :func:`render` puts the folders in. Configs about tokenizers use a second family with a
+word-level tokenizer whose experts add tokens (tests/token_models.py): ``$tbase``, ``$ttool`` (adds ``<tool>``,
+``<think>``), ``$tmath`` (adds ``<think>``, ``<math>``), ``$tchat`` (adds none)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from safetensors.torch import load_file
 CORPUS = Path(__file__).parent / "mergekit_corpus"
 REFERENCES = Path(__file__).parent / "data" / "mergekit"
 NAMES = ("base", "e0", "e1", "e2")
+TOKEN_NAMES = ("tbase", "ttool", "tmath", "tchat")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def build_inputs(root: Path) -> dict[str, Path]:
@@ -44,20 +48,33 @@ def build_inputs(root: Path) -> dict[str, Path]:
         model.load_state_dict(state)
         folders[f"e{i}"] = root / f"e{i}"
         model.save_pretrained(folders[f"e{i}"])
+    from token_models import build  # the family with added tokens (its own seeds)
+
+    token_base, token_experts = build(root / "tokens")
+    folders.update(zip(TOKEN_NAMES, [token_base, *token_experts], strict=True))
     return folders
 
 
-def inputs_digest(folders: dict[str, Path]) -> str:
-    """A hash of the inputs' tensors (names, dtypes, shapes, bytes), to check that the tests rebuilt the very models
-    the references were made from."""
+def inputs_digest(folders: dict[str, Path], names: tuple[str, ...] = NAMES) -> str:
+    """A hash of the inputs' tensors (names, dtypes, shapes, bytes) and tokenizer files, to check that the tests rebuilt
+    the very models the references were made from; ``names``: the family (:func:`family`)."""
     digest = hashlib.sha256()
-    for name in NAMES:
+    for name in names:
         state = load_file(folders[name] / "model.safetensors")
         for key in sorted(state):
             tensor = state[key].contiguous()
             digest.update(f"{name}|{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
             digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+        for file in TOKENIZER_FILES:
+            if (folders[name] / file).is_file():
+                digest.update(f"{name}|{file}|".encode() + (folders[name] / file).read_bytes())
     return digest.hexdigest()
+
+
+def family(config: Path) -> tuple[str, ...]:
+    """The models a config's references depend on: the token family when it names one of them, else the first."""
+    text = config.read_text()
+    return TOKEN_NAMES if any(f"${name}" in text for name in TOKEN_NAMES) else NAMES
 
 
 def configs() -> list[Path]:

@@ -50,6 +50,7 @@ def cases(tmp: Path, family: Path) -> list[tuple[list[str], str]]:
         (["memory.py", "measure", "--models", str(family), "--method", "nope"], "unknown method 'nope'"),
         (["ablation.py", "--models", str(family)], "lacks expert2/, expert3/ (expected base/, expert0/"),
         (["end_to_end.py", "--models", str(family)], "lacks expert2/, expert3/"),
+        (["mergekit_speed.py", "--models", str(family), "--mergekit", str(tmp / "a-file")], "lacks expert2/"),
         (["lora_model.py", "measure", "--models", str(family)], "holds no lora*/ folders"),
         (["lora_model.py", "generate", "--models", str(tmp / "empty")], "base model"),
         (["under_load.py", "--models", str(tmp / "a-file")], "is a file; give a folder"),

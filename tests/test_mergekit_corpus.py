@@ -3,7 +3,11 @@ mergekit dialect and compared with mergekit's own outputs on tiny models (commit
 bench/mergekit_reference.py, mergekit 0.1.5; no mergekit needed here).
 
 - every config has its reference, made from this very config (its sha256) and these very inputs (their digest,
-  rebuilt here bit for bit);
+  rebuilt here bit for bit; a second family of models with a tokenizer whose experts add tokens, for the configs
+  about tokenizers);
+- a config with a tokenizer gives mergekit's vocabulary (``tokenizer_source: union``: the same tokens; their rows
+  compared token by token, as mergekit numbers added tokens in an order that changes from run to run) and chat
+  template;
 - deterministic configs give mergekit's tensors to float32 round-off (``specmerge.merge(mergekit_config=...)``);
 - random ones (DARE, DELLA: mergekit draws from torch's global generator, specmerge from its own seeded ones) agree
   in distribution: the share of entries no expert moved (each entry's is a Bernoulli event: within 5 binomial
@@ -35,7 +39,7 @@ from specmerge.pipeline.recipe.mergekit import convert
 from specmerge.pipeline.recipe.model import Recipe
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mergekit_inputs import REFERENCES, build_inputs, config_digest, configs, inputs_digest, render
+from mergekit_inputs import REFERENCES, build_inputs, config_digest, configs, family, inputs_digest, render
 
 RECORDS = json.loads((REFERENCES / "references.json").read_text())
 RANDOM = ("dare-ties", "dare-linear", "della", "della-linear", "dare-ties-per-model")
@@ -63,11 +67,11 @@ def deterministic() -> list[str]:
 def test_every_config_has_its_reference_from_these_inputs(inputs):
     names = [c.stem for c in configs()]
     assert len(names) >= 25 and sorted(RECORDS) == sorted(names)
-    digest = inputs_digest(inputs)
+    digests = {names: inputs_digest(inputs, names) for names in {family(c) for c in configs()}}
     for config in configs():
         record = RECORDS[config.stem]
         assert record["config_sha256"] == config_digest(config), f"{config.name} changed: run the reference again"
-        assert record["inputs_sha256"] == digest and record["mergekit"] == "0.1.5"
+        assert record["inputs_sha256"] == digests[family(config)] and record["mergekit"] == "0.1.5"
         assert "refused" not in record and (REFERENCES / f"{config.stem}.safetensors").is_file()
 
 
@@ -80,6 +84,10 @@ def test_a_mergekit_config_gives_mergekits_tensors(name, inputs, tmp_path):
     assert sorted(ours) == sorted(theirs)
     layers = json.loads((tmp_path / "out/config.json").read_text())["num_hidden_layers"]
     assert layers == RECORDS[name]["num_hidden_layers"]  # a frankenmerge's count: 6 from two ranges of 3
+    if "vocabulary" in RECORDS[name]:  # the tokenizer (union of added tokens) and chat template, as mergekit's
+        got = tokenizer_record(tmp_path / "out")
+        assert got["chat_template"] == RECORDS[name]["chat_template"]
+        ours = by_their_ids(ours, got["vocabulary"], RECORDS[name]["vocabulary"])
     for tensor_name, expected in theirs.items():
         got = ours[tensor_name]
         assert got.dtype == expected.dtype, tensor_name
@@ -87,6 +95,26 @@ def test_a_mergekit_config_gives_mergekits_tensors(name, inputs, tmp_path):
         eps = torch.finfo(expected.dtype).eps
         scale = float(expected.float().abs().max()) + 1
         torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=16 * eps * scale, msg=tensor_name)
+
+
+def by_their_ids(ours: dict, vocabulary: dict[str, int], theirs: dict[str, int]) -> dict:
+    """``ours`` with the rows of the embeddings and head put at mergekit's token ids. The same tokens, but mergekit
+    numbers the added ones in an order that changes from run to run (its union is built from a Python set of
+    strings, whose order follows the process's string hashing); specmerge numbers them in the experts' order."""
+    assert sorted(vocabulary) == sorted(theirs)
+    order = [vocabulary[token] for token, _ in sorted(theirs.items(), key=lambda item: item[1])]
+    rows = len(order)
+    return {name: t[order] if t.dim() == 2 and t.shape[0] == rows else t for name, t in ours.items()}
+
+
+def tokenizer_record(out: Path) -> dict:
+    """The output's vocabulary (token -> id) and chat template, as bench/mergekit_reference.py records mergekit's."""
+    data = json.loads((out / "tokenizer.json").read_text())
+    vocabulary = {**data["model"]["vocab"], **{t["content"]: t["id"] for t in data["added_tokens"]}}
+    template = (out / "chat_template.jinja").read_text() if (out / "chat_template.jinja").is_file() else None
+    if template is None:
+        template = json.loads((out / "tokenizer_config.json").read_text()).get("chat_template")
+    return {"vocabulary": vocabulary, "chat_template": template}
 
 
 def statistics_of(state: dict, base: dict, experts: list[dict]) -> tuple[float, float, int]:
