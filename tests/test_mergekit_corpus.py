@@ -46,7 +46,6 @@ RANDOM = ("dare-ties", "dare-linear", "della", "della-linear", "dare-ties-per-mo
 # config -> what the one-line refusal says (what specmerge lacks to run it with mergekit's meaning)
 REFUSED: dict[str, str] = {
     "linear-unnormalized": "specmerge takes it only with constant weights that sum to 1",
-    "multislerp": "without base_model (a mean of the models' own weights) is not built yet",
 }
 SEEDS = 6
 

@@ -163,7 +163,8 @@ def test_capabilities_are_declared():
         "della",
         "breadcrumbs_ties",
     }
-    assert {name for name, m in methods.items() if m.needs_base} == {"slerp", "karcher", "arcee_fusion"}
+    needs_base = {"slerp", "karcher", "arcee_fusion", "multislerp", "nuslerp"}
+    assert {name for name, m in methods.items() if m.needs_base} == needs_base
     assert {name for name, m in methods.items() if not m.featured} == {
         "wudi_reference", "optmerge_lora", "spectral_filter", "dare_linear", "slerp", "linear", "multislerp",
         "karcher", "nearswap", "sce", "nuslerp", "arcee_fusion", "breadcrumbs_ties", "ram", "ramplus_tl",

@@ -15,20 +15,20 @@ EPS32 = torch.finfo(torch.float32).eps
 
 def test_multislerp_of_two_unit_vectors_is_the_point_between_them_on_the_arc():
     a, b = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
-    delta = get_method("multislerp")(torch.stack([a, b])).delta
+    delta = get_method("multislerp")(torch.stack([a, b]), base=torch.zeros_like(a)).delta
     # one tangent step from the normalized mean (1, 1)/sqrt 2: the tangent parts cancel, the mean of lengths is 1
     torch.testing.assert_close(delta, torch.tensor([1.0, 1.0]) / math.sqrt(2), rtol=0, atol=4 * EPS32)
-    weighted = get_method("multislerp")(torch.stack([2 * a, b]), weights=[3.0, 1.0]).delta
+    weighted = get_method("multislerp")(torch.stack([2 * a, b]), weights=[3.0, 1.0], base=torch.zeros_like(a)).delta
     assert float(torch.linalg.vector_norm(weighted)) == pytest.approx(0.75 * 2 + 0.25 * 1, rel=1e-6)  # mean length
     assert weighted[0] > weighted[1] > 0  # nearer the heavier expert
 
 
 def test_multislerp_of_opposite_experts_is_linear_for_two_and_refused_for_more():
     a = torch.tensor([1.0, 2.0, -1.0])
-    two = get_method("multislerp")(torch.stack([a, -a])).delta
+    two = get_method("multislerp")(torch.stack([a, -a]), base=torch.zeros_like(a)).delta
     torch.testing.assert_close(two, torch.zeros(3))  # the linear fallback: 0.5 a - 0.5 a
     with pytest.raises(ValueError, match="cancel out"):
-        get_method("multislerp")(torch.stack([a, -a, a, -a]))
+        get_method("multislerp")(torch.stack([a, -a, a, -a]), base=torch.zeros_like(a))
 
 
 def test_the_karcher_mean_of_experts_on_one_great_circle_is_their_mean_angle():
@@ -75,13 +75,19 @@ def test_sce_selects_by_variance_weighs_by_energy_and_erases_disagreeing_signs()
 
 def test_nuslerp_of_two_orthogonal_task_vectors_follows_the_arc_at_the_weights_ratio():
     a, b = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 2.0])
-    delta = get_method("nuslerp")(torch.stack([a, b]), weights=[3.0, 1.0]).delta  # t = 1/4 of the way to b
+    delta = get_method("nuslerp")(
+        torch.stack([a, b]), weights=[3.0, 1.0], base=torch.zeros_like(a)
+    ).delta  # t = 1/4 of the way to b
     angle = math.pi / 2 / 4
     torch.testing.assert_close(delta, 2 * torch.tensor([math.cos(angle), math.sin(angle)]), rtol=1e-6, atol=1e-6)
-    collinear = get_method("nuslerp")(torch.stack([a, 3 * a])).delta  # linear where they are collinear
+    collinear = get_method("nuslerp")(
+        torch.stack([a, 3 * a]), base=torch.zeros_like(a)
+    ).delta  # linear where they are collinear
     torch.testing.assert_close(collinear, 2 * a)
     rows = torch.stack([torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([[0.0, 1.0], [1.0, 0.0]])])
-    per_row = get_method("nuslerp")(rows, flatten=False).delta  # each row on its own arc
+    per_row = get_method("nuslerp")(
+        rows, flatten=False, base=torch.zeros_like(rows[0])
+    ).delta  # each row on its own arc
     torch.testing.assert_close(per_row, torch.full((2, 2), math.sqrt(0.5)), rtol=1e-6, atol=1e-6)
 
 
@@ -95,3 +101,25 @@ def test_arcee_fusion_takes_the_expert_only_where_importance_is_an_outlier():
     expected[0, 15] = 2.0
     torch.testing.assert_close(result.delta, expected)
     assert result.diagnostics["fused_fraction"] == pytest.approx(1 / 16)
+
+
+def test_base_free_spherical_means_take_the_models_own_weights():
+    """mergekit's multislerp / nuslerp without a base_model: the points are W_0, W_1, ... themselves, the base's
+    weight among them; the result is the same whichever model stands as the base."""
+    torch.manual_seed(5)
+    w0, w1, w2 = (torch.randn(6, 4, dtype=torch.float64) for _ in range(3))
+    multislerp = get_method("multislerp")
+    merged = w0 + multislerp(torch.stack([w1 - w0, w2 - w0]), base=w0, base_free=True, base_weight=0.5,
+                             weights=[0.3, 0.2]).delta  # fmt: skip
+    swapped = w1 + multislerp(torch.stack([w0 - w1, w2 - w1]), base=w1, base_free=True, base_weight=0.3,
+                              weights=[0.5, 0.2]).delta  # fmt: skip
+    torch.testing.assert_close(merged, swapped)
+    direct = multislerp(torch.stack([w0, w1, w2]), base=torch.zeros_like(w0), weights=[0.5, 0.3, 0.2]).delta
+    torch.testing.assert_close(merged, direct)  # the barycentre of the weights, with the origin at 0
+    nuslerp = get_method("nuslerp")
+    pair = w0 + nuslerp((w1 - w0).unsqueeze(0), base=w0, base_free=True, base_weight=0.25, weights=[0.75]).delta
+    torch.testing.assert_close(
+        pair, nuslerp(torch.stack([w0, w1]), base=torch.zeros_like(w0), weights=[0.25, 0.75]).delta
+    )
+    with pytest.raises(ValueError, match="give 1"):
+        nuslerp(torch.stack([w1 - w0, w2 - w0]), base=w0, base_free=True)

@@ -54,27 +54,60 @@ def _mergekit_method(name: str, citation: str, title: str, passes_per_expert: fl
                     settings=(), **more)  # fmt: skip
 
 
-@_mergekit_method("multislerp", MULTISLERP_CITATION, "Multi-SLERP", 4, _two_or_more, weights="any")
+def _points(params: dict, n: int | None) -> None:
+    needed = 1 if params["base_free"] else 2
+    if n is not None and n < needed:
+        raise ValueError(f"it is a mean of several points; got {n} expert(s){' and the base' if needed == 1 else ''}")
+
+
+def with_base_point(
+    task_vectors: torch.Tensor, base: torch.Tensor, base_weight: float, weights: Sequence[float] | None
+) -> tuple[torch.Tensor, list[float]]:
+    """The models' own weights as points, the base first: [W_0, W_0 + tau_1, ...], and their weights
+    [base_weight, w_1, ...] (mergekit's spherical means without a base_model, of the models listed)."""
+    points = torch.cat([base.unsqueeze(0), task_vectors + base])
+    return points, [base_weight, *([1.0] * task_vectors.shape[0] if weights is None else [float(w) for w in weights])]
+
+
+@_mergekit_method("multislerp", MULTISLERP_CITATION, "Multi-SLERP", 4, _points, weights="any")
 def multislerp(
     task_vectors: torch.Tensor,
     *,
     normalize_weights: bool = True,
     eps: float = 1e-8,
+    base_free: bool = False,
+    base_weight: float = 1.0,
     weights: Sequence[float] | None = None,
+    base: torch.Tensor,
 ) -> LayerResult:
     """Multi-SLERP: the weighted barycentre of the task vectors on the sphere, by one step in the tangent space.
 
     Each tau_i (flattened) is u_i = tau_i / (||tau_i|| + eps) on the unit sphere; m is the normalized weighted mean
     of the u_i; the weighted mean of their projections on m's tangent space, v, is mapped back by the exponential
     map, m cos ||v|| + v sin ||v|| / ||v||, and scaled by the weighted mean of the ||tau_i||. Two experts whose
-    weighted directions cancel are averaged linearly; more are refused (no barycentre).
+    weighted directions cancel are averaged linearly; more are refused (no barycentre). With ``base_free`` the
+    points are the models' own weights, the base's (weight ``base_weight``) among them, and the barycentre is the
+    merged weight itself (mergekit's multislerp without a base_model).
 
     Args:
         normalize_weights: divide the expert weights (default all 1) by their sum.
         eps: added to the norms it divides by.
+        base_free: the barycentre of the weights W_0, W_1, ... themselves, not of the task vectors.
+        base_weight: the base's weight among the points (base_free).
     """
-    n = task_vectors.shape[0]
-    flat = task_vectors.reshape(n, -1)
+    if base_free:
+        points, w = with_base_point(task_vectors, base, base_weight, weights)
+        point, diagnostics = _barycentre(points, w, normalize_weights, eps)
+        return LayerResult(point - base, diagnostics)
+    point, diagnostics = _barycentre(task_vectors, weights, normalize_weights, eps)
+    return LayerResult(point, diagnostics)
+
+
+def _barycentre(
+    stack: torch.Tensor, weights: Sequence[float] | None, normalize_weights: bool, eps: float
+) -> tuple[torch.Tensor, dict]:
+    n = stack.shape[0]
+    flat = stack.reshape(n, -1)
     w = torch.ones(n, dtype=flat.dtype, device=flat.device) if weights is None else flat.new_tensor(list(weights))
     if normalize_weights:
         w = w / w.sum()
@@ -84,15 +117,15 @@ def multislerp(
     mean_norm = torch.linalg.vector_norm(mean)
     if mean_norm < eps:
         if n == 2:
-            return LayerResult((flat[0] * w[0] + flat[1] * w[1]).reshape(task_vectors.shape[1:]), {"n_experts": n})
+            return (flat[0] * w[0] + flat[1] * w[1]).reshape(stack.shape[1:]), {"n_experts": n}
         raise ValueError("the experts' weighted directions cancel out: no barycentre on the sphere; change the weights")
     mean = mean / mean_norm
     tangents = units - (units * mean).sum(dim=1, keepdim=True) * mean
     step = (tangents * w[:, None]).sum(dim=0)
     length = torch.linalg.vector_norm(step) + eps
     point = mean * torch.cos(length) + step * (torch.sin(length) / length)
-    delta = point * (norms[:, 0] * w).sum()
-    return LayerResult(delta.reshape(task_vectors.shape[1:]), {"n_experts": n, "tangent_step": float(length)})
+    merged = point * (norms[:, 0] * w).sum()
+    return merged.reshape(stack.shape[1:]), {"n_experts": n, "tangent_step": float(length)}
 
 
 @_mergekit_method("karcher", KARCHER_CITATION, "Karcher mean", 30, _two_or_more)
@@ -197,8 +230,10 @@ def sce(task_vectors: torch.Tensor, *, select_topk: UnitInterval = 1.0) -> Layer
 
 
 def _two(params: dict, n: int | None) -> None:
-    if n is not None and n != 2:
-        raise ValueError(f"it interpolates between two experts' task vectors, but {n} experts were given: give two")
+    needed = 1 if params["base_free"] else 2
+    if n is not None and n != needed:
+        what = "the base and one expert" if needed == 1 else "two experts' task vectors"
+        raise ValueError(f"it interpolates between {what}, but {n} experts were given: give {needed}")
 
 
 @_mergekit_method("nuslerp", NUSLERP_CITATION, "NuSLERP", 6, _two, weights="any")
@@ -207,7 +242,10 @@ def nuslerp(
     *,
     row_wise: bool = False,
     flatten: bool = True,
+    base_free: bool = False,
+    base_weight: float = 1.0,
     weights: Sequence[float] | None = None,
+    base: torch.Tensor,
 ) -> LayerResult:
     """NuSLERP (mergekit's, with a base): slerp between the two experts' task vectors at t = w_1 / (w_0 + w_1)
     (0.5 where the weights sum to about 0; default weights 1, 1).
@@ -215,15 +253,30 @@ def nuslerp(
     On the flattened task vectors (``flatten``), or else vector by vector along the last axis (rows of a 2-D
     weight), or with ``row_wise`` along the first axis (its columns): u = tau_0 / |tau_0|, v = tau_1 / |tau_1|,
     theta = arccos(u . v), merged = (sin((1 - t) theta) tau_0 + sin(t theta) tau_1) / sin theta; where
-    1 - cos^2 theta <= 1e-16 (collinear), the linear (1 - t) tau_0 + t tau_1.
+    1 - cos^2 theta <= 1e-16 (collinear), the linear (1 - t) tau_0 + t tau_1. With ``base_free`` the two ends are
+    the base's own weights W_0 (weight ``base_weight``) and one expert's W_1 (mergekit's nuslerp without a
+    base_model, of two models).
 
     Args:
         row_wise: interpolate the vectors along the first axis (mergekit's nuslerp_row_wise), when not flattened.
         flatten: interpolate each tensor as one vector (mergekit's nuslerp_flatten).
+        base_free: interpolate between the weights W_0 and W_1 themselves, not between two task vectors.
+        base_weight: the base's weight w_0 (base_free).
     """
+    if base_free:
+        ends, w = with_base_point(task_vectors, base, base_weight, weights)
+        merged, t = _pair(ends[0], ends[1], w, row_wise, flatten)
+        return LayerResult(merged - base, {"n_experts": 1, "t": t})
+    merged, t = _pair(task_vectors[0], task_vectors[1], weights, row_wise, flatten)
+    return LayerResult(merged, {"n_experts": 2, "t": t})
+
+
+def _pair(
+    a: torch.Tensor, b: torch.Tensor, weights: Sequence[float] | None, row_wise: bool, flatten: bool
+) -> tuple[torch.Tensor, float]:
+    shape = a.shape
     w = [1.0, 1.0] if weights is None else [float(x) for x in weights]
     t = 0.5 if abs(sum(w)) < 1e-6 else w[1] / sum(w)
-    a, b = task_vectors[0], task_vectors[1]
     if flatten:
         a, b = a.reshape(-1), b.reshape(-1)
     elif row_wise:
@@ -237,7 +290,7 @@ def nuslerp(
     merged = torch.where(collinear, (1 - t) * a + t * b, arc)
     if row_wise and not flatten:
         merged = merged.transpose(0, -1)
-    return LayerResult(merged.reshape(task_vectors.shape[1:]), {"n_experts": 2, "t": t})
+    return merged.reshape(shape), t
 
 
 @_mergekit_method("arcee_fusion", ARCEE_FUSION_CITATION, "Arcee Fusion", 8, _one)

@@ -88,6 +88,10 @@ def convert(data: Mapping[str, Any]) -> Conversion:
         out["experts"].append(expert if len(expert) > 1 else entry.model)
     if dialect.method == "linear":
         _linear_base(base_entry, given, params, weights, shared_weights)
+    elif dialect.base == "optional" and config.base_model is None:  # the models' own weights are the points
+        params["base_free"] = True
+        assert base_entry is not None  # the first model stands as the base
+        params["base_weight"] = _base_weight(base_entry, shared_weights, dialect.method)
     elif base_entry is not None and base_entry.parameters:
         differences.append(
             f"the base's own parameters ({', '.join(base_entry.parameters)}) are not used by {name}, as in mergekit"
@@ -182,12 +186,7 @@ def _split_models(config: MergekitConfig, dialect: Dialect) -> tuple[str, list[M
         raise RecipeError(
             f"merge_method '{config.merge_method}' needs base_model: name the model the others were tuned from"
         )
-    if base is None and dialect.base == "optional":
-        raise RecipeError(
-            f"merge_method '{config.merge_method}' without base_model (a mean of the models' own weights) is not "
-            "built yet: name the base_model the models were fine-tuned from"
-        )
-    if base is None:  # linear, karcher: the first model stands as the base
+    if base is None:  # linear, karcher, base-free multislerp / nuslerp: the first model stands as the base
         base = names[0]
     if dialect.method == "linear" and base not in names:
         raise RecipeError(
@@ -290,6 +289,14 @@ def _mapped(value: Any, target: Target, what: str) -> Any:
         return validate_value(value, number, what)
     except ValueError as err:
         raise RecipeError(str(err)) from None
+
+
+def _base_weight(base_entry: ModelEntry, every: Any, method: str) -> Any:
+    """The weight of the model standing as the base among the points of a base-free spherical mean."""
+    weight = (base_entry.parameters or {}).get("weight", every)
+    if weight is None:
+        raise RecipeError(f"model '{base_entry.model}' has no weight (mergekit requires one for {method})")
+    return _mapped(weight, Target("weights"), f"weight of model '{base_entry.model}'")
 
 
 def _linear_base(

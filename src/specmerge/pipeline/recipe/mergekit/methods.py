@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 REQUIRED = object()  # a parameter mergekit requires (no default)
-# free: the method merges the models listed (and base_model), the first standing as the base when none is named
+# free: the method merges the models listed (and base_model), the first standing as the base when none is named;
+# optional: without base_model the models' own weights are the points (base_free), the first standing as the base
 BasePolicy = Literal["required", "optional", "free"]
 
 
@@ -107,7 +108,7 @@ DIALECTS: dict[str, Dialect] = {
         {"nuslerp_row_wise": _param("row_wise", False), "nuslerp_flatten": _param("flatten", True)},
         {"weight": WEIGHT},
         base="optional",
-        models=(2, 2),
+        models=(1, 2),
     ),
     "multislerp": Dialect(
         "multislerp",
