@@ -125,13 +125,22 @@ def test_passthrough_of_one_model_copies_it_and_slices_that_merge_are_refused(in
     two = {**one, "models": [{"model": str(inputs["e2"])}, {"model": str(inputs["e1"])}]}
     with pytest.raises(RecipeError, match="copies exactly one model"):
         convert(two)
-    merged_slices = {
+    two_slices = {
         "merge_method": "slerp", "base_model": str(inputs["base"]), "parameters": {"t": 0.5},
-        "slices": [{"sources": [{"model": str(inputs["base"]), "layer_range": [0, 4]},
-                                {"model": str(inputs["e0"]), "layer_range": [0, 4]}]}],
+        "slices": [{"sources": [{"model": str(inputs["base"]), "layer_range": [0, 2]},
+                                {"model": str(inputs["e0"]), "layer_range": [0, 2]}]},
+                   {"sources": [{"model": str(inputs["base"]), "layer_range": [2, 4]},
+                                {"model": str(inputs["e0"]), "layer_range": [2, 4]}]}],
     }  # fmt: skip
-    with pytest.raises(RecipeError, match="layer ranges merged with each other"):
-        convert(merged_slices)
+    with pytest.raises(RecipeError, match="merging layer ranges range by range are not supported"):
+        convert(two_slices)
+    part = {**two_slices, "slices": two_slices["slices"][:1]}  # layers 0-1 of 4: a smaller model
+    with pytest.raises(RecipeError, match=r"layer_range \[0, 2\] must take every layer of the models \(4 layers\)"):
+        convert(part)
+    whole = {**two_slices, "slices": [{"sources": [{"model": str(inputs["base"]), "layer_range": [0, 4]},
+                                                   {"model": str(inputs["e0"]), "layer_range": [0, 4]}]}]}  # fmt: skip
+    assert convert(whole).recipe == convert({**two_slices, "slices": None} | {"models": [
+        {"model": str(inputs["base"])}, {"model": str(inputs["e0"])}]}).recipe  # fmt: skip
     with pytest.raises(RecipeError, match="a source is"):
         convert({"merge_method": "passthrough", "slices": [{"sources": [{"model": "x"}]}]})
 

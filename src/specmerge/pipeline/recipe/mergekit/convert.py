@@ -29,6 +29,7 @@ from specmerge.pipeline.recipe.expert_entries import default_expert_keys
 from specmerge.pipeline.recipe.layered import first_value, validate_value, varies
 from specmerge.pipeline.recipe.mergekit.config import MergekitConfig, ModelEntry, is_mergekit_config, parse_config
 from specmerge.pipeline.recipe.mergekit.methods import DIALECTS, NOT_YET, REQUIRED, Dialect, Target
+from specmerge.pipeline.recipe.mergekit.slices import one_slice_as_models, passthrough_data
 from specmerge.pipeline.recipe.model import Recipe
 
 DTYPES = {
@@ -63,8 +64,10 @@ def convert(data: Mapping[str, Any]) -> Conversion:
     name = config.merge_method
     if config.modules is not None:
         raise RecipeError("'modules': mergekit's per-module merges are not supported", ("modules",))
-    if config.slices is not None or name == "passthrough":
-        return _passthrough(config)
+    if name == "passthrough":
+        return _finish(config, passthrough_data(config), [])
+    if config.slices is not None:
+        return convert(one_slice_as_models(config))
     if name in NOT_YET:
         raise RecipeError(f"merge_method '{name}': {NOT_YET[name]}", ("merge_method",))
     if name not in DIALECTS:
@@ -116,40 +119,8 @@ def load_mergekit(path: str | os.PathLike) -> Conversion | None:
         raise RecipeError(f"{path}: {err}", err.loc) from None
 
 
-def _passthrough(config: MergekitConfig) -> Conversion:
-    """``passthrough``: of one model, its copy; of ``slices`` (one source each), a frankenmerge (``layers``)."""
-    if config.slices is None:
-        models = config.models or []
-        if len(models) != 1 or models[0].parameters:
-            raise RecipeError("passthrough of models copies exactly one model, without parameters", ("models",))
-        return _finish(config, {"base": models[0].model, "experts": [], "method": "passthrough"}, [])
-    if config.merge_method != "passthrough":
-        raise RecipeError(
-            f"slices with merge_method '{config.merge_method}' (layer ranges merged with each other) are not "
-            "supported: give each slice one source and merge_method passthrough, or use models",
-            ("merge_method",),
-        )
-    layers = []
-    for i, piece in enumerate(config.slices or []):
-        sources = piece.get("sources") if isinstance(piece, Mapping) else None
-        extra = [key for key in (piece if isinstance(piece, Mapping) else {}) if key != "sources"]
-        if not isinstance(sources, list) or len(sources) != 1 or extra:
-            raise RecipeError(
-                f"slices[{i}]: a passthrough slice has exactly one source and nothing else", ("slices", i)
-            )
-        source = sources[0]
-        unknown = [key for key in source if key not in ("model", "layer_range")] if isinstance(source, Mapping) else []
-        if not isinstance(source, Mapping) or "model" not in source or "layer_range" not in source or unknown:
-            raise RecipeError(f"slices[{i}]: a source is {{model: M, layer_range: [A, B]}}", ("slices", i))
-        layers.append({"model": source["model"], "range": source["layer_range"]})
-    base = config.base_model or layers[0]["model"]
-    return _finish(config, {"base": base, "experts": [], "method": "passthrough", "layers": layers}, [])
-
-
 def _finish(config: MergekitConfig, out: dict[str, Any], differences: list[str]) -> Conversion:
     """The conversion of ``out`` (the recipe so far) with the config's output keys, validated as a recipe."""
-    if config.merge_method == "passthrough" and config.parameters:
-        raise RecipeError(f"passthrough takes no parameters, got {sorted(config.parameters)}", ("parameters",))
     _outputs(config, out, [], [], out["base"], differences)
     return _validated(out, differences)
 
