@@ -242,8 +242,8 @@ def nuslerp(
     *,
     row_wise: bool = False,
     flatten: bool = True,
-    base_free: bool = False,
     base_weight: float = 1.0,
+    base_free: bool = False,
     weights: Sequence[float] | None = None,
     base: torch.Tensor,
 ) -> LayerResult:
@@ -260,8 +260,8 @@ def nuslerp(
     Args:
         row_wise: interpolate the vectors along the first axis (mergekit's nuslerp_row_wise), when not flattened.
         flatten: interpolate each tensor as one vector (mergekit's nuslerp_flatten).
-        base_free: interpolate between the weights W_0 and W_1 themselves, not between two task vectors.
         base_weight: the base's weight w_0 (base_free).
+        base_free: interpolate between the weights W_0 and W_1 themselves, not between two task vectors.
     """
     if base_free:
         ends, w = with_base_point(task_vectors, base, base_weight, weights)
