@@ -206,3 +206,13 @@ def test_merge_takes_a_mergekit_config_alone(inputs, tmp_path):
     not_mergekit.write_text(yaml.safe_dump({"base": "b", "experts": ["x"]}))
     with pytest.raises(RecipeError, match="is not a mergekit config"):
         specmerge.merge(mergekit_config=not_mergekit, output=tmp_path / "p")
+
+
+def test_a_file_that_cannot_be_read_is_one_line(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "missing.yaml"), "-o", str(tmp_path / "out")]) == 2
+    assert f"recipe file '{tmp_path / 'missing.yaml'}' does not exist" in capsys.readouterr().err
+    assert main(["run", str(tmp_path), "-o", str(tmp_path / "out")]) == 2  # a folder
+    assert "cannot be read" in capsys.readouterr().err
+    with pytest.raises(RecipeError, match="does not exist"):
+        specmerge.merge(mergekit_config=tmp_path / "missing.yaml", output=tmp_path / "out")
+    assert main(["convert", str(tmp_path / "missing.yaml")]) == 2

@@ -109,7 +109,12 @@ def convert(data: Mapping[str, Any]) -> Conversion:
 
 def load_mergekit(path: str | os.PathLike) -> Conversion | None:
     """The conversion of the mergekit config in the YAML file ``path``, or None when the file is not one."""
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(f"recipe file '{path}' does not exist") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise RecipeError(f"recipe file '{path}' cannot be read: {err}") from None
     data = parse_yaml(text, Path(path))
     if not is_mergekit_config(data):
         return None
