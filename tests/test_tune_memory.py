@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -43,12 +44,15 @@ def hashes(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def test_in_memory_candidates_hold_the_tensors_the_folders_hold(tmp_path, family):
+def test_in_memory_candidates_hold_the_tensors_the_folders_hold(tmp_path, family, caplog):
     base, experts = family
     params = ({"t": 300.0}, {"rank_ratio": 0.85}, {"scale": 0.5})
     recipes = [merge_recipe(base, experts, method="swudi", params=p) for p in params]
     layers = cached_layers(recipes[0], tmp_path / "cache", ["sum"], progress=False, log=lambda line: None)
+    caplog.set_level(logging.INFO, logger="specmerge.output")
     together = merge_in_memory(recipes, layers=layers, threads=1)  # one pass, three settings
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("not merged with swudi")]
+    assert len(said) == 1 and "averaged (embedding" in said[0]  # the settings' one line, said once
     alone = merge_in_memory(recipes[1:2], threads=1)  # one setting, from the inputs (no cache)
     for k, recipe in enumerate(recipes):
         run_recipe(recipe, tmp_path / f"folder{k}", progress=False, threads=1)

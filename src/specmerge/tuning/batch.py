@@ -31,6 +31,7 @@ from specmerge.linalg.solve import Kept, LayerProjections, ProjectionMissing
 from specmerge.pipeline.inputs.open import refuse_output_inside_inputs
 from specmerge.pipeline.plan.prepare import PreparedMerge, prepare_merge
 from specmerge.pipeline.plan.rules import TensorPlan
+from specmerge.pipeline.plan.summary import say_not_merged_once
 from specmerge.pipeline.recipe.model import Recipe
 from specmerge.pipeline.run.api import model_files, record_output, shard_writer
 from specmerge.pipeline.run.executor import StreamingExecutor
@@ -171,6 +172,7 @@ def run_settings(
         used = stack.enter_context(merge_threads(threads))
         prepared = [prepare_merge(stack, r, o) for r, o in zip(recipes, outputs, strict=True)]
         refuse_unbatchable(prepared)
+        say_not_merged_once([(p.plan, p.recipe.method) for p in prepared])
         folders = [
             stack.enter_context(atomic_directory(o, overwrite=overwrite, expected_bytes=p.summary["bytes"]))
             for o, p in zip(outputs, prepared, strict=True)
@@ -234,6 +236,7 @@ def merge_in_memory(
                     "candidates from their folders (candidates='disk')"
                 )
         refuse_unbatchable(prepared)
+        say_not_merged_once([(p.plan, p.recipe.method) for p in prepared])  # as a merge from folders says it
         collected = [CollectedTensors(p.plan) for p in prepared]
         if len(prepared) > 1:
             _run_settings_job(prepared, [c.write for c in collected], options, layers, reuse, False)

@@ -38,6 +38,16 @@ def say_not_merged(plan: Sequence[TensorPlan], method: str) -> None:
         logging.getLogger(OUTPUT_LOG).info(line)
 
 
+def say_not_merged_once(plans: Sequence[tuple[Sequence[TensorPlan], str]]) -> None:
+    """:func:`say_not_merged` for several merges run together (a tune's settings): each distinct line once."""
+    said: set[str] = set()
+    for plan, method in plans:
+        line = not_merged_line(plan, method)
+        if line is not None and line not in said:
+            said.add(line)
+            logging.getLogger(OUTPUT_LOG).info(line)
+
+
 def not_merged_line(plan: Sequence[TensorPlan], method: str) -> str | None:
     """One line naming what every tensor that does not get ``method`` gets instead, and why, by reason (None:
     every tensor gets it)."""
