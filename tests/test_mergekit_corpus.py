@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from mergekit_inputs import REFERENCES, build_inputs, config_digest, configs, family, inputs_digest, render
 
 RECORDS = json.loads((REFERENCES / "references.json").read_text())
-RANDOM = ("dare-ties", "dare-linear", "della", "della-linear", "dare-ties-per-model")
+RANDOM = ("dare-ties", "dare-linear", "della", "della-linear", "dare-ties-per-model", "della-gradient")
 # config -> what the one-line refusal says (what specmerge lacks to run it with mergekit's meaning)
 REFUSED: dict[str, str] = {
     "linear-unnormalized": "specmerge takes it only with constant weights that sum to 1",
