@@ -44,9 +44,7 @@ from mergekit_inputs import REFERENCES, build_inputs, config_digest, configs, fa
 RECORDS = json.loads((REFERENCES / "references.json").read_text())
 RANDOM = ("dare-ties", "dare-linear", "della", "della-linear", "dare-ties-per-model", "della-gradient")
 # config -> what the one-line refusal says (what specmerge lacks to run it with mergekit's meaning)
-REFUSED: dict[str, str] = {
-    "linear-unnormalized": "specmerge takes it only with constant weights that sum to 1",
-}
+REFUSED: dict[str, str] = {}
 SEEDS = 6
 
 

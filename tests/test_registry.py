@@ -13,7 +13,7 @@ from specmerge.methods.params import Positive
 from tiny_models import expert_count
 
 DISPLAY_ORDER = [
-    "weight_average", "task_arithmetic", "linear", "passthrough", "slerp", "model_stock", "ties",
+    "weight_average", "task_arithmetic", "linear", "passthrough", "model_sum", "slerp", "model_stock", "ties",
     "dare_task_arithmetic", "dare_linear", "dare_ties", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear",
     "tsv_m", "iso_c", "closed_form", "wudi", "wudi_reference", "optmerge", "optmerge_lora", "swudi", "swudi_a",
     "spectral_filter", "multislerp", "karcher", "nearswap", "sce", "nuslerp", "arcee_fusion", "ram", "ramplus_tl",
@@ -155,7 +155,7 @@ def test_capabilities_are_declared():
     }  # fmt: skip
     assert {name for name, m in methods.items() if m.weighting == "any"} == {
         "weight_average", "task_arithmetic", "linear", "breadcrumbs", "dare_task_arithmetic", "dare_linear",
-        "della_linear", "multislerp", "nuslerp",
+        "della_linear", "multislerp", "nuslerp", "model_sum",
     }  # fmt: skip
     assert {name for name, m in methods.items() if m.weighting == "positive"} == {
         "ties",
@@ -163,12 +163,12 @@ def test_capabilities_are_declared():
         "della",
         "breadcrumbs_ties",
     }
-    needs_base = {"slerp", "karcher", "arcee_fusion", "multislerp", "nuslerp"}
+    needs_base = {"slerp", "karcher", "arcee_fusion", "multislerp", "nuslerp", "model_sum"}
     assert {name for name, m in methods.items() if m.needs_base} == needs_base
     assert {name for name, m in methods.items() if not m.featured} == {
         "wudi_reference", "optmerge_lora", "spectral_filter", "dare_linear", "slerp", "linear", "multislerp",
         "karcher", "nearswap", "sce", "nuslerp", "arcee_fusion", "breadcrumbs_ties", "ram", "ramplus_tl",
-        "passthrough",
+        "passthrough", "model_sum",
     }  # fmt: skip
     assert {name: m.variant_of for name, m in methods.items() if m.variant_of} == {
         "dare_ties": "dare_task_arithmetic", "dare_linear": "dare_task_arithmetic", "wudi_reference": "wudi",

@@ -162,3 +162,32 @@ def passthrough(task_vectors: torch.Tensor) -> LayerResult:
     """Passthrough (mergekit's name): the base's tensors as they are, a copy; with a recipe's ``layers``, a
     frankenmerge's stacked layers copied as they are. It takes no experts (the plan copies every tensor)."""
     return LayerResult(torch.zeros(task_vectors.shape[1:], dtype=task_vectors.dtype, device=task_vectors.device))
+
+
+@register(
+    "model_sum",
+    citation=SOUPS_CITATION,
+    title="Weighted sum of models",
+    needs_matrix=False,
+    cost=linear_cost,
+    weights="any",
+    featured=False,
+    settings=(),
+)
+def model_sum(
+    task_vectors: torch.Tensor,
+    *,
+    base_weight: float = 0.0,
+    weights: Sequence[float] | None = None,
+    base: torch.Tensor,
+) -> LayerResult:
+    """The weighted sum of the models themselves, b W_0 + sum_i w_i W_i, not normalized (mergekit's linear with
+    normalize false): unlike ``linear``, the base is scaled by the weights too, so the result is not the base plus
+    weighted task vectors unless b + sum_i w_i = 1.
+
+    Args:
+        base_weight: the base's own weight b (0: the experts' weighted sum alone).
+    """
+    w = (1.0,) * task_vectors.shape[0] if weights is None else tuple(weights)
+    delta = weighted_sum(task_vectors, w).add_(base, alpha=base_weight + sum(w) - 1.0)
+    return LayerResult(delta, {"n_experts": task_vectors.shape[0]})

@@ -26,7 +26,7 @@ import yaml
 from specmerge.errors import RecipeError, unknown_name_message
 from specmerge.pipeline.recipe.errors import parse_yaml
 from specmerge.pipeline.recipe.expert_entries import default_expert_keys
-from specmerge.pipeline.recipe.layered import first_value, validate_value, varies
+from specmerge.pipeline.recipe.layered import validate_value, varies
 from specmerge.pipeline.recipe.mergekit.config import MergekitConfig, ModelEntry, is_mergekit_config, parse_config
 from specmerge.pipeline.recipe.mergekit.methods import DIALECTS, NOT_YET, REQUIRED, Dialect, Target
 from specmerge.pipeline.recipe.mergekit.slices import one_slice_as_models, passthrough_data
@@ -91,6 +91,7 @@ def convert(data: Mapping[str, Any]) -> Conversion:
         out["experts"].append(expert if len(expert) > 1 else entry.model)
     if dialect.method == "linear":
         _linear_base(base_entry, given, params, weights, shared_weights)
+        out["method"] = params.pop("method", out["method"])
     elif dialect.base == "optional" and config.base_model is None:  # the models' own weights are the points
         params["base_free"] = True
         assert base_entry is not None  # the first model stands as the base
@@ -282,8 +283,8 @@ def _linear_base(
     weights: list[Any] | None,
     every: Any,
 ) -> None:
-    """linear with the base among the models: its weight is ``base_weight``; without normalize the weights must sum
-    to 1 (mergekit's sum of the models, the base's too, is then the base plus the weighted task vectors)."""
+    """linear with the base among the models: its weight is ``base_weight``; without normalize, the same average when
+    the weights are constant and sum to 1, else ``model_sum`` (mergekit's sum of the models, the base's too)."""
     base_weight = (base_entry.parameters or {}).get("weight", every) if base_entry else None
     if base_entry is not None and base_weight is None:
         raise RecipeError(f"model '{base_entry.model}' has no weight (mergekit requires one for linear)")
@@ -292,14 +293,11 @@ def _linear_base(
     if params.get("normalize", True):
         return
     values = [base_weight or 0, *(weights or [])]
-    if any(varies(v) for v in values) or abs(sum(float(first_value(v)) for v in values) - 1) > 1e-9:
-        raise RecipeError(
-            "linear with normalize: false sums the models' weights, the base's too, scaled by their weights; "
-            f"specmerge takes it only with constant weights that sum to 1 (got {values}): give such weights, or "
-            "normalize: true",
-            ("parameters", "normalize"),
-        )
-    params["normalize"] = True  # weights summing to 1: the same average
+    if not any(varies(v) for v in values) and abs(sum(float(v) for v in values) - 1) <= 1e-9:
+        params["normalize"] = True  # weights summing to 1: the same average
+        return
+    params.pop("normalize")  # the sum of the models, the base scaled by the weights too
+    params["method"] = "model_sum"
 
 
 def _outputs(
