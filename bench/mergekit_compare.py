@@ -25,8 +25,8 @@ from specmerge.errors import RecipeError
 from specmerge.pipeline.recipe.mergekit import convert
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from mergekit_inputs import REFERENCES, build_inputs, configs, render
-from test_mergekit_corpus import RANDOM, RECORDS, SEEDS, by_their_ids, statistics_of, tokenizer_record
+from mergekit_inputs import REFERENCES, build_inputs, configs, render, tokenizer_record
+from test_mergekit_corpus import RANDOM, RECORDS, SEEDS, by_their_ids, statistics_of
 
 
 def main() -> int:

@@ -27,7 +27,16 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from mergekit_inputs import REFERENCES, build_inputs, config_digest, configs, family, inputs_digest, render
+from mergekit_inputs import (
+    REFERENCES,
+    build_inputs,
+    config_digest,
+    configs,
+    family,
+    inputs_digest,
+    render,
+    tokenizer_record,
+)
 
 SEED = 0  # --random-seed: DARE and DELLA's masks
 
@@ -63,18 +72,6 @@ def run_one(mergekit_yaml: Path, config: Path, folders: dict[str, Path], work: P
     config_out = json.loads((out / "config.json").read_text())
     record = {**record, "tensors": len(tensors), "num_hidden_layers": config_out.get("num_hidden_layers")}
     return {**record, **tokenizer_record(out)}
-
-
-def tokenizer_record(out: Path) -> dict:
-    """The output's vocabulary (token -> id, model and added tokens) and chat template, when it has a tokenizer."""
-    if not (out / "tokenizer.json").is_file():
-        return {}
-    data = json.loads((out / "tokenizer.json").read_text())
-    vocabulary = {**data["model"]["vocab"], **{t["content"]: t["id"] for t in data["added_tokens"]}}
-    template = (out / "chat_template.jinja").read_text() if (out / "chat_template.jinja").is_file() else None
-    if template is None:
-        template = json.loads((out / "tokenizer_config.json").read_text()).get("chat_template")
-    return {"vocabulary": vocabulary, "chat_template": template}
 
 
 def main() -> int:

@@ -8,6 +8,7 @@ word-level tokenizer whose experts add tokens (tests/token_models.py): ``$tbase`
 from __future__ import annotations
 
 import hashlib
+import json
 import string
 from pathlib import Path
 
@@ -89,3 +90,16 @@ def render(config: Path, folders: dict[str, Path]) -> str:
 
 def config_digest(config: Path) -> str:
     return hashlib.sha256(config.read_bytes()).hexdigest()
+
+
+def tokenizer_record(out: Path) -> dict:
+    """The vocabulary (token -> id, model and added tokens) and chat template of an output folder, {} when it has no
+    tokenizer: what bench/mergekit_reference.py records of mergekit's outputs and the tests compare with."""
+    if not (out / "tokenizer.json").is_file():
+        return {}
+    data = json.loads((out / "tokenizer.json").read_text())
+    vocabulary = {**data["model"]["vocab"], **{t["content"]: t["id"] for t in data["added_tokens"]}}
+    template = (out / "chat_template.jinja").read_text() if (out / "chat_template.jinja").is_file() else None
+    if template is None:
+        template = json.loads((out / "tokenizer_config.json").read_text()).get("chat_template")
+    return {"vocabulary": vocabulary, "chat_template": template}

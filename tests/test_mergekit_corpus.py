@@ -39,7 +39,16 @@ from specmerge.pipeline.recipe.mergekit import convert
 from specmerge.pipeline.recipe.model import Recipe
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mergekit_inputs import REFERENCES, build_inputs, config_digest, configs, family, inputs_digest, render
+from mergekit_inputs import (
+    REFERENCES,
+    build_inputs,
+    config_digest,
+    configs,
+    family,
+    inputs_digest,
+    render,
+    tokenizer_record,
+)
 
 RECORDS = json.loads((REFERENCES / "references.json").read_text())
 RANDOM = ("dare-ties", "dare-linear", "della", "della-linear", "dare-ties-per-model", "della-gradient")
@@ -102,16 +111,6 @@ def by_their_ids(ours: dict, vocabulary: dict[str, int], theirs: dict[str, int])
     order = [vocabulary[token] for token, _ in sorted(theirs.items(), key=lambda item: item[1])]
     rows = len(order)
     return {name: t[order] if t.dim() == 2 and t.shape[0] == rows else t for name, t in ours.items()}
-
-
-def tokenizer_record(out: Path) -> dict:
-    """The output's vocabulary (token -> id) and chat template, as bench/mergekit_reference.py records mergekit's."""
-    data = json.loads((out / "tokenizer.json").read_text())
-    vocabulary = {**data["model"]["vocab"], **{t["content"]: t["id"] for t in data["added_tokens"]}}
-    template = (out / "chat_template.jinja").read_text() if (out / "chat_template.jinja").is_file() else None
-    if template is None:
-        template = json.loads((out / "tokenizer_config.json").read_text()).get("chat_template")
-    return {"vocabulary": vocabulary, "chat_template": template}
 
 
 def statistics_of(state: dict, base: dict, experts: list[dict]) -> tuple[float, float, int]:
