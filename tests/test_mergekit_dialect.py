@@ -46,6 +46,8 @@ def test_a_config_is_recognised_by_its_keys():
 def test_omitted_keys_take_mergekits_defaults():
     recipe = convert(TIES).recipe
     assert recipe.method == "ties" and recipe.merge_embeddings is True
+    # no chat_template: mergekit keeps the copied tokenizer's template (the base's), never the experts' silently
+    assert recipe.chat_template == "base" and convert({**TIES, "tokenizer_source": "y"}).recipe.chat_template == "y"
     assert recipe.params["scale"] == 1.0 and recipe.params["normalize"] is True and recipe.params["rescale"] is False
     assert recipe.params["convention"] == "mergekit" and recipe.expert_params == [{"density": 0.5}, {"density": 1.0}]
     assert recipe.expert_weights == [0.5, 0.5]

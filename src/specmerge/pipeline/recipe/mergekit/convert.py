@@ -344,9 +344,12 @@ def _outputs(
             "the template's text or a .jinja file",
             ("chat_template",),
         )
-    if template not in (None, "auto"):
+    if template is None:  # mergekit keeps the template of the tokenizer it copies: the base's, or the source model's
+        source = out.get("tokenizer_source", "base")
+        out["chat_template"] = "base" if source in ("base", "union") else source
+    elif template != "auto":
         out["chat_template"] = template
-    elif template == "auto":
+    else:
         differences.append(
             "differs from mergekit: chat_template auto takes the most common template in mergekit; specmerge takes the "
             "experts' when they agree, else the base's, and refuses experts that differ (it says which one it took)"
