@@ -141,3 +141,26 @@ def test_a_rerun_s_cached_flags_and_times_do_not_overwrite_the_kept_provenance(t
     summary.write_text(json.dumps(changed))  # anything else that changed is copied, times and all
     keep.keep(cache, out)
     assert json.loads((out / "experts" / KEY / "summary-seeds-0.json").read_text()) == changed
+
+
+def test_code_keys_name_the_code_the_process_runs_though_a_source_file_changes(tmp_path, monkeypatch):
+    """A merge code key is read from the files once per process: an edit of a source file while a run goes on
+    (the checkout is being worked on) leaves the running process's key alone; a new process sees the edit."""
+    import shutil
+
+    import specmerge
+    from specmerge_bench.accuracy import scores
+
+    core = tmp_path / "specmerge"
+    shutil.copytree(os.path.dirname(specmerge.__file__), core, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(specmerge, "__file__", str(core / "__init__.py"))
+    scores.code_key.cache_clear()  # and again at the end, so that no other test sees this copy's key
+    try:
+        first = scores.code_key()
+        with open(core / "linalg" / "solve.py", "a", encoding="utf-8") as f:
+            f.write("# an edit while the run goes on\n")
+        assert scores.code_key() == first
+        scores.code_key.cache_clear()  # what a new process does
+        assert scores.code_key() != first
+    finally:
+        scores.code_key.cache_clear()

@@ -20,7 +20,7 @@ scoring (5 s): about 1.6 minutes per row, 3.2 minutes per seed for the two rows.
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import math
 import time
 from collections.abc import Mapping
@@ -36,20 +36,19 @@ from specmerge.tuning.adamerge import adamerge_coefficients
 from specmerge_bench.accuracy import model as accuracy_model
 from specmerge_bench.accuracy.model import Head, multitask_logits
 from specmerge_bench.accuracy.rows import ADAMERGING, AdaMergingSettings
+from specmerge_bench.accuracy.scores import files_digest
 
 StateDict = dict[str, Tensor]
 Inputs = Mapping[str, Mapping[str, Tensor]]  # task -> {"input_ids", "attention_mask"}
 
 
+@functools.cache
 def code_key() -> str:
-    """A hash of the code behind an AdaMerging result (its cached scores are reused only while it is unchanged)."""
+    """A hash of the code behind an AdaMerging result (its cached scores are reused only while it is unchanged);
+    read once per process, as :func:`specmerge_bench.accuracy.scores.code_key`."""
     folder = Path(tuning.__file__).resolve().parent
     files = [*sorted(folder.glob("adamerge*.py")), Path(__file__).resolve(), Path(accuracy_model.__file__).resolve()]
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(file.name.encode())
-        digest.update(file.read_bytes())
-    return digest.hexdigest()[:12]
+    return files_digest(files)
 
 
 def task_batches(inputs: Inputs, batch_size: int, seed: int = 0) -> list[dict[str, dict[str, Tensor]]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -25,8 +26,13 @@ def digest(inputs: object) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
+# The code keys below are read once per process: a key names the code the process runs, which an edit of the
+# source files while a run goes on (a session working in the same checkout) must not change.
+
+
+@functools.cache
 def code_digest(*functions: Callable) -> str:
-    """SHA-256 of the source of the functions (and classes) a stage's output depends on."""
+    """SHA-256 of the source of the functions (and classes) a stage's output depends on (once per process)."""
     return digest([inspect.getsource(function) for function in functions])
 
 

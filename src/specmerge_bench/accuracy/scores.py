@@ -16,11 +16,12 @@ and every byte), so a value found by digest is the value a new scoring would giv
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,15 @@ import torch
 StateDict = Mapping[str, torch.Tensor]
 
 
+@functools.cache
 def code_key(track: str = "full") -> str:
     """A hash of the code that computes merges: cached scores are reused by setting only while it is unchanged
-    (the LoRA track's merges also run the adapter reader, the merge's compute routes and :mod:`.lora`)."""
+    (the LoRA track's merges also run the adapter reader, the merge's compute routes and :mod:`.lora`).
+
+    Read from the files once per process: the key names the code this process runs, so an edit of a source file
+    while a run goes on (a session working in the same checkout) neither splits the run's records over two keys
+    nor files the old code's scores under the new code's key.
+    """
     import specmerge
 
     core = Path(specmerge.__file__).resolve().parent
@@ -49,11 +56,16 @@ def code_key(track: str = "full") -> str:
             core / "pipeline" / "run" / "compute.py",
             here.with_name("lora.py"),
         ]
-    digest = hashlib.sha256()
+    return files_digest(files)
+
+
+def files_digest(files: Iterable[Path]) -> str:
+    """The first 12 hex digits of the SHA-256 of ``files``' names and bytes, in the order given."""
+    hashed = hashlib.sha256()
     for file in files:
-        digest.update(file.name.encode())
-        digest.update(file.read_bytes())
-    return digest.hexdigest()[:12]
+        hashed.update(file.name.encode())
+        hashed.update(file.read_bytes())
+    return hashed.hexdigest()[:12]
 
 
 def score_paths(cache_dir: Path, experts_key: str, seed: int, track: str = "full") -> tuple[Path, Path]:
