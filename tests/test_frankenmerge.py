@@ -5,6 +5,7 @@ refused in one line, before anything is written."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -94,7 +95,7 @@ def test_a_recipe_with_layers_has_passthrough_and_no_experts():
         Recipe(base="a", experts=[])
 
 
-def test_a_frankenmerge_runs_from_a_recipe_and_loads(inputs, tmp_path, capsys):
+def test_a_frankenmerge_runs_from_a_recipe_and_loads(inputs, tmp_path, capsys, monkeypatch):
     recipe = tmp_path / "frank.yaml"
     recipe.write_text(yaml.safe_dump({
         "base": str(inputs["e0"]), "experts": [], "method": "passthrough", "dtype": "bfloat16",
@@ -115,6 +116,19 @@ def test_a_frankenmerge_runs_from_a_recipe_and_loads(inputs, tmp_path, capsys):
     assert len(model.model.layers) == 6
     report = json.loads((tmp_path / "out/report.json").read_text())
     assert report["method"] == "passthrough" and report["summary"]["by_action"]["keep_base"]["tensors"] == len(out)
+    # the written recipe names the layers' models as it names the base: by their path relative to the output, so
+    # it runs the same from anywhere; the card lists the layers
+    written = yaml.safe_load((tmp_path / "out/recipe.yaml").read_text())
+    assert [r["model"] for r in written["layers"]] == [os.path.relpath(inputs[k], tmp_path / "out") for k in
+                                                       ("e0", "e1", "e0")]  # fmt: skip
+    card = (tmp_path / "out/README.md").read_text()
+    assert f"- layers 1 to 3 of `{written['layers'][1]['model']}`" in card and "Experts:" not in card
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["run", "../out/recipe.yaml", "-o", "again", "-q"]) == 0
+    assert (tmp_path / "elsewhere/again/model.safetensors").read_bytes() == (
+        tmp_path / "out/model.safetensors"
+    ).read_bytes()
 
 
 def test_passthrough_of_one_model_copies_it_and_slices_that_merge_are_refused(inputs, tmp_path):
@@ -157,3 +171,30 @@ def test_a_model_whose_config_lists_values_per_layer_is_not_stacked(inputs, tmp_
     with pytest.raises(SpecmergeError, match="lists a value per layer \\('layer_types'\\)"):
         specmerge.run_recipe(recipe, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_frankenmerge_of_hub_models_pins_them_and_lists_them_in_the_card(inputs, tmp_path, monkeypatch):
+    """Layers taken from hub ids (read from the cache, offline) are written pinned to the commit read, and the card's
+    base_model names each repository once; a local layer model is named by its path only in the text."""
+    from hub_cache import add_commit, folder_files
+
+    root = tmp_path / "hub"
+    commits = {k: add_commit(root, f"org/{k}", folder_files(inputs[k])) for k in ("e0", "e1")}
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.chdir(tmp_path)
+    recipe = Recipe(
+        base="org/e0", experts=[], method="passthrough",
+        layers=[{"model": "org/e0", "range": [0, 2]}, {"model": "org/e1", "range": [2, 3]},
+                {"model": str(inputs["e1"]), "range": [3, 4]}],
+    )  # fmt: skip
+    specmerge.run_recipe(recipe, "out", progress=False)
+    written = yaml.safe_load(Path("out/recipe.yaml").read_text())
+    assert [r["model"] for r in written["layers"]] == [
+        f"org/e0@{commits['e0']}",
+        f"org/e1@{commits['e1']}",
+        os.path.relpath(inputs["e1"], "out"),
+    ]
+    front = yaml.safe_load(Path("out/README.md").read_text().split("---")[1])
+    assert front["base_model"] == ["org/e0", "org/e1"]

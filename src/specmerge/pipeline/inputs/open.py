@@ -13,7 +13,7 @@ relative to the output folder.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -134,10 +134,21 @@ def input_notes(
     return notes
 
 
-def portable_recipe(recipe: Recipe, resolved: Sequence[InputResolution], output: str | os.PathLike) -> Recipe:
-    """``recipe`` as written into ``output``: its base and experts named by :func:`portable_spec` (hub ids pinned
-    to the commit read, local paths relative to the output folder); ``load_recipe`` of the written file gives the
-    same inputs from any working folder. Expert keys stay as they are (the written recipe states them). The executor
-    is left out (``local``): it does not change the output, and a cluster's address is no part of the model."""
+def portable_recipe(
+    recipe: Recipe,
+    resolved: Sequence[InputResolution],
+    output: str | os.PathLike,
+    layer_inputs: Mapping[str, InputResolution] | None = None,
+) -> Recipe:
+    """``recipe`` as written into ``output``: its base, experts and the models of its ``layers`` (found where
+    ``layer_inputs`` says, by spec) named by :func:`portable_spec` (hub ids pinned to the commit read, local paths
+    relative to the output folder); ``load_recipe`` of the written file gives the same inputs from any working
+    folder. Expert keys stay as they are (the written recipe states them). The executor is left out (``local``): it
+    does not change the output, and a cluster's address is no part of the model."""
     names = [portable_spec(r, output) for r in resolved]
-    return recipe.model_copy(update={"base": names[0], "experts": names[1:], "executor": "local", "address": None})
+    update: dict[str, Any] = {"base": names[0], "experts": names[1:], "executor": "local", "address": None}
+    if recipe.layers is not None and layer_inputs is not None:
+        update["layers"] = [
+            r.model_copy(update={"model": portable_spec(layer_inputs[r.model], output)}) for r in recipe.layers
+        ]
+    return recipe.model_copy(update=update)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from specmerge.io.formats.protocol import SourceError, TensorSource
 from specmerge.io.formats.sources import open_source
-from specmerge.io.hub.ids import resolve_input
+from specmerge.io.hub.ids import InputResolution, resolve_input
 from specmerge.io.views.stacked import StackedSource, stack_layers
 from specmerge.pipeline.inputs.open import refuse_output_inside_inputs
 from specmerge.pipeline.recipe.model import Recipe
@@ -17,22 +17,21 @@ from specmerge.pipeline.recipe.model import Recipe
 
 def stacked_inputs(
     stack: ExitStack, recipe: Recipe, base: TensorSource, base_path: Path, output: str | os.PathLike | None
-) -> tuple[StackedSource, int]:
+) -> tuple[StackedSource, int, dict[str, InputResolution]]:
     """The stacked layers of ``recipe.layers`` as one source (each model opened once, the base's own source reused
-    for the base) and the output's layer count; an output inside a model is refused (None: a dry run)."""
+    for the base), the output's layer count and where each model was found (by its spec in the recipe); an output
+    inside a model is refused (None: a dry run)."""
     specs = list(dict.fromkeys(r.model for r in recipe.layers or ()))
     sources: dict[str, TensorSource] = {}
-    paths: dict[str, Path] = {}
-    for spec in specs:
-        path = resolve_input(spec).path
-        same = os.path.realpath(path) == os.path.realpath(base_path)
-        sources[spec] = base if same else stack.enter_context(open_source(path))
-        paths[spec] = path
+    found = {spec: resolve_input(spec) for spec in specs}
+    for spec, resolution in found.items():
+        same = os.path.realpath(resolution.path) == os.path.realpath(base_path)
+        sources[spec] = base if same else stack.enter_context(open_source(resolution.path))
     if output is not None:
-        refuse_output_inside_inputs(Path(output), [str(p) for p in paths.values()], list(sources.values()))
+        refuse_output_inside_inputs(Path(output), [str(r.path) for r in found.values()], list(sources.values()))
     slices = [(r.model, r.range[0], r.range[1]) for r in recipe.layers or ()]
     try:
         names = stack_layers({spec: source.infos() for spec, source in sources.items()}, slices)
     except SourceError as err:
         raise SourceError(f"layers: {err}") from None
-    return StackedSource(sources, names, base_path), sum(stop - start for _, start, stop in slices)
+    return StackedSource(sources, names, base_path), sum(stop - start for _, start, stop in slices), found

@@ -52,6 +52,7 @@ class PreparedMerge:
     base_quantized: Any = None  # the base's QuantizedSource when it is a quantized checkpoint (quantize: same)
     chat_template: ChosenTemplate | None = None  # the output's chat template (None: the tokenizer files' own)
     layer_count: int | None = None  # a frankenmerge's layers (the output config's num_hidden_layers); None: as is
+    layer_inputs: dict[str, InputResolution] = field(default_factory=dict)  # where each model of its layers was found
 
 
 def prepare_merge(stack: ExitStack, recipe: Recipe, output: str | Path | None) -> PreparedMerge:
@@ -60,9 +61,9 @@ def prepare_merge(stack: ExitStack, recipe: Recipe, output: str | Path | None) -
     resolved = resolve_inputs(recipe.base, recipe.experts)  # hub ids -> their cache snapshots
     base_path, expert_paths = resolved[0].path, [r.path for r in resolved[1:]]
     base, experts = open_inputs(stack, recipe.base, recipe.experts, output, resolved)
-    layer_count = None
+    layer_count, layer_inputs = None, {}
     if recipe.layers is not None:  # a frankenmerge: the output's tensors read from the stacked layers
-        base, layer_count = stacked_inputs(stack, recipe, base, base_path, output)
+        base, layer_count, layer_inputs = stacked_inputs(stack, recipe, base, base_path, output)
     quantization = [quantization_note(item) for item in (base, *experts)]  # before the views wrap them
     experts_opened, base_opened = list(experts), base
     config_notes = compare_configs(recipe, base_path, expert_paths)  # experts not of the base's architecture
@@ -103,5 +104,5 @@ def prepare_merge(stack: ExitStack, recipe: Recipe, output: str | Path | None) -
             notes["chat_template"] = template.source
     return PreparedMerge(
         recipe, base, experts, plan, summary, base_path, expert_paths, config_path, notes, resolved, aligned.vocabulary,
-        base_opened if quantization[0] else None, template, layer_count,
+        base_opened if quantization[0] else None, template, layer_count, layer_inputs,
     )  # fmt: skip

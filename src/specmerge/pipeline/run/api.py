@@ -330,7 +330,7 @@ def record_output(
         **extra,
         "tensors": [asdict(r) for r in reports],
     }
-    written = portable_recipe(recipe, prepared.inputs, output)  # hub ids pinned, paths relative to output
+    written = portable_recipe(recipe, prepared.inputs, output, prepared.layer_inputs)  # pinned ids, relative paths
     (folder / "recipe.yaml").write_text(written.to_yaml())
     (folder / "report.json").write_text(json.dumps(report, indent=1, default=str))
     (folder / "README.md").write_text(card_for(prepared, written, method.citation))

@@ -35,20 +35,26 @@ def model_card(
     """README.md for the merged model or adapter: the front matter, what was merged and how, and the recipe.
 
     ``recipe`` is the recipe as written beside the output (inputs named portably, see
-    :func:`specmerge.pipeline.inputs.open.portable_spec`); ``hub`` says of its base and each expert, in order,
-    whether it was found on the hub (its name is then a hub id); ``license`` the base's license keys
-    (:func:`specmerge.io.output.readme.read_license`).
+    :func:`specmerge.pipeline.inputs.open.portable_spec`); ``hub`` says of its base, each expert and the model of
+    each of its ``layers``, in order, whether it was found on the hub (its name is then a hub id); ``license`` the
+    base's license keys (:func:`specmerge.io.output.readme.read_license`).
     """
     lora = recipe.output_format == "lora"
-    inputs = list(zip((recipe.base, *recipe.experts), hub, strict=True))[: 1 if lora else None]
+    layers = recipe.layers or []
+    specs = (recipe.base, *recipe.experts, *(r.model for r in layers))
+    inputs = list(zip(specs, hub, strict=True))[: 1 if lora else None]
     ids = list(dict.fromkeys(_bare_id(spec) for spec, from_hub in inputs if from_hub))
-    local = [f"`{spec}`" for spec, from_hub in inputs if not from_hub]
+    local = list(dict.fromkeys(f"`{spec}`" for spec, from_hub in inputs if not from_hub))
     meta: dict[str, Any] = {"base_model": ids, "base_model_relation": "adapter" if lora else "merge"} if ids else {}
     if library_name or lora:
         meta["library_name"] = "peft" if lora else library_name
     meta["tags"] = ["merge", "specmerge", recipe.method]
     meta.update(license or {})
-    experts = "\n".join(f"- `{e}`" for e in recipe.experts)
+    experts = "Experts:\n" + "".join(f"- `{e}`\n" for e in recipe.experts)
+    if layers:  # a frankenmerge: the layers' models instead of experts
+        experts = "Layers, in order:\n" + "".join(
+            f"- layers {r.range[0]} to {r.range[1] - 1} of `{r.model}`\n" for r in layers
+        )
     if lora:
         title = "Merged LoRA adapter"
         usage = (
@@ -63,7 +69,7 @@ def model_card(
     front = yaml.safe_dump(meta, sort_keys=False, default_flow_style=False, allow_unicode=True)
     return (
         f"---\n{front}---\n\n"
-        f"# {title}\n\nBase model: `{recipe.base}`\n\nExperts:\n{experts}\n\n"
+        f"# {title}\n\nBase model: `{recipe.base}`\n\n{experts}\n"
         f"Merged with specmerge {__version__}, method `{recipe.method}` ({citation}).\n\n{usage}"
         "Hub ids are pinned to the commit merged (`org/name@<commit>`); local inputs are named by their path "
         f"relative to this folder{unlisted}.\n\n"
@@ -86,7 +92,8 @@ def card_for(prepared: PreparedMerge, written: Recipe, citation: str) -> str:
     return model_card(
         written,
         citation,
-        hub=[resolution.origin == "hub" for resolution in prepared.inputs],
+        hub=[r.origin == "hub" for r in prepared.inputs]
+        + [prepared.layer_inputs[r.model].origin == "hub" for r in prepared.recipe.layers or ()],
         license=prepared.notes.get("license"),
         library_name="transformers" if has_config else None,
     )
