@@ -30,6 +30,10 @@ def test_linear_weighted_average_and_sum():
     torch.testing.assert_close(
         linear(STACK, weights=[1.0, -1.0], normalize=False).delta, torch.tensor([-2.0, -3.0], dtype=D)
     )
+    # DARE's normalize divides its weighted sum the same way, and says which setting to change
+    dare = get_method("dare_task_arithmetic")
+    with pytest.raises(ValueError, match=r"^normalize: true divides .* \[1.0, -1.0\] sum to 0: .* normalize: false$"):
+        dare(STACK, weights=[1.0, -1.0], normalize=True, drop_rate=0.0)
 
 
 def test_slerp_on_a_quarter_circle():

@@ -30,9 +30,15 @@ def weighted_sum(task_vectors: torch.Tensor, weights: Sequence[float]) -> torch.
     return total
 
 
-def weight_sum(weights: Sequence[float], method: str) -> float:
-    """sum_i w_i, refused when it is 0 (a weighted mean divides by it)."""
+def weight_sum(weights: Sequence[float], method: str | None) -> float:
+    """sum_i w_i, refused when it is 0: the weighted mean of ``method`` divides by it (None: the mean that a
+    method's ``normalize: true`` asks for)."""
     total = float(sum(weights))
+    if total == 0 and method is None:
+        raise ValueError(
+            f"normalize: true divides the weighted sum by the expert weights' sum, and {list(weights)} sum to 0: "
+            "give weights that do not sum to 0, or normalize: false"
+        )
     if total == 0:
         raise ValueError(f"method '{method}': the expert weights {list(weights)} sum to 0, and the mean divides by it")
     return total

@@ -259,7 +259,7 @@ def combine_dropped(
     if combine == "sum":
         total = dropped.sum(dim=0) if weights is None else weighted_sum(dropped, weights)
         if normalize:
-            total /= dropped.shape[0] if weights is None else weight_sum(weights, "normalize")
+            total /= dropped.shape[0] if weights is None else weight_sum(weights, None)
         return LayerResult(scale * total, diagnostics)
     sign = elect_sign(dropped, weights)
     merged = disjoint_mean(dropped, sign, weights, normalize)
