@@ -4,6 +4,7 @@ refused in one line, before anything is written."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -146,11 +147,33 @@ def test_passthrough_of_one_model_copies_it_and_slices_that_merge_are_refused(in
                    {"sources": [{"model": str(inputs["base"]), "layer_range": [2, 4]},
                                 {"model": str(inputs["e0"]), "layer_range": [2, 4]}]}],
     }  # fmt: skip
-    with pytest.raises(RecipeError, match="merging layer ranges range by range are not supported"):
-        convert(two_slices)
+    # two slices of the same models over consecutive ranges: one merge, each layer's values from its slice
+    patterns = [o.pattern for o in convert(two_slices).recipe.overrides]
+    assert patterns == [f"model.layers.{i}.*" for i in range(4)]
+    shifted = copy.deepcopy(two_slices)
+    shifted["slices"][1]["sources"][1]["layer_range"] = [1, 3]  # e0's layers 1-2 on the base's 2-3
+    with pytest.raises(RecipeError, match=r"slices\[1\]: slices merging different layers of their models"):
+        convert(shifted)
+    other = copy.deepcopy(two_slices)
+    other["slices"][1]["sources"][1]["model"] = str(inputs["e1"])
+    with pytest.raises(RecipeError, match="or other models than the first slice's"):
+        convert(other)
     part = {**two_slices, "slices": two_slices["slices"][:1]}  # layers 0-1 of 4: a smaller model
-    with pytest.raises(RecipeError, match=r"layer_range \[0, 2\] must take every layer of the models \(4 layers\)"):
+    with pytest.raises(RecipeError, match=r"layer ranges \[0, 2\] must follow each other .* \(4 layers\)"):
         convert(part)
+    gap = {**two_slices, "slices": [two_slices["slices"][1], two_slices["slices"][0]]}  # out of order
+    with pytest.raises(RecipeError, match=r"layer ranges \[2, 4\], \[0, 2\] must follow each other"):
+        convert(gap)
+
+    def ties_slice(first, end, density):  # e0 with its own density, e1 with the default: a per-model parameter
+        e0 = {"model": str(inputs["e0"]), "layer_range": [first, end], "parameters": {"weight": 1, "density": density}}
+        e1 = {"model": str(inputs["e1"]), "layer_range": [first, end], "parameters": {"weight": 1}}
+        return {"sources": [{"model": str(inputs["base"]), "layer_range": [first, end]}, e0, e1]}
+
+    own = {"merge_method": "ties", "base_model": str(inputs["base"]), "slices": [ties_slice(0, 2, 0.5),
+                                                                                  ties_slice(2, 4, 0.7)]}  # fmt: skip
+    with pytest.raises(RecipeError, match="a parameter given per model that differs between the slices"):
+        convert(own)
     whole = {**two_slices, "slices": [{"sources": [{"model": str(inputs["base"]), "layer_range": [0, 4]},
                                                    {"model": str(inputs["e0"]), "layer_range": [0, 4]}]}]}  # fmt: skip
     assert convert(whole).recipe == convert({**two_slices, "slices": None} | {"models": [

@@ -64,7 +64,7 @@ def stack_layers(models: Mapping[str, Mapping[str, TensorInfo]], slices: Sequenc
     first, last = slices[0][0], slices[-1][0]
     outside = {key: [n for n in models[key] if layer_of(n) is None] for key in {first, last}}
     for name in outside[first]:
-        if _before_layers(name):
+        if before_layers(name):
             out[name] = (first, name)
     index = 0
     for key, start, stop in slices:
@@ -80,12 +80,13 @@ def stack_layers(models: Mapping[str, Mapping[str, TensorInfo]], slices: Sequenc
                 out[f"{prefix}.{index}.{rest}"] = (key, name)
             index += 1
     for name in outside[last]:
-        if not _before_layers(name):
+        if not before_layers(name):
             out[name] = (last, name)
     return out
 
 
-def _before_layers(name: str) -> bool:
+def before_layers(name: str) -> bool:
+    """Whether a tensor outside the numbered layers comes before them (an input embedding), not after them."""
     return any(part in INPUT_COMPONENTS for part in name.split("."))
 
 

@@ -29,7 +29,8 @@ from specmerge.pipeline.recipe.expert_entries import default_expert_keys
 from specmerge.pipeline.recipe.layered import validate_value, varies
 from specmerge.pipeline.recipe.mergekit.config import MergekitConfig, ModelEntry, is_mergekit_config, parse_config
 from specmerge.pipeline.recipe.mergekit.methods import DIALECTS, NOT_YET, REQUIRED, Dialect, Target
-from specmerge.pipeline.recipe.mergekit.slices import one_slice_as_models, passthrough_data
+from specmerge.pipeline.recipe.mergekit.ranges import several_slices
+from specmerge.pipeline.recipe.mergekit.slices import passthrough_data, slice_merges
 from specmerge.pipeline.recipe.model import Recipe
 
 DTYPES = {
@@ -66,8 +67,11 @@ def convert(data: Mapping[str, Any]) -> Conversion:
         raise RecipeError("'modules': mergekit's per-module merges are not supported", ("modules",))
     if name == "passthrough":
         return _finish(config, passthrough_data(config), [])
+    if config.slices is not None and len(config.slices) == 1:
+        return convert(slice_merges(config)[0][2])  # one slice over every layer: the same merge of models
     if config.slices is not None:
-        return convert(one_slice_as_models(config))
+        data, differences = several_slices(config, convert)
+        return _validated(data, differences)
     if name in NOT_YET:
         raise RecipeError(f"merge_method '{name}': {NOT_YET[name]}", ("merge_method",))
     if name not in DIALECTS:

@@ -1,6 +1,7 @@
 """mergekit's ``slices`` and ``passthrough`` as recipe data: a frankenmerge (``layers``), a copy of one model, or a
-merge of one slice over every layer of its models (the form many published slerp configs take), written as the
-same merge of ``models``."""
+merge of slices, each written as the same merge of ``models`` (one slice over every layer, the form many published
+slerp configs take, is that merge; several slices over consecutive layer ranges are put together by
+:mod:`.ranges`)."""
 
 from __future__ import annotations
 
@@ -40,44 +41,59 @@ def passthrough_data(config: MergekitConfig) -> dict[str, Any]:
     return {"base": base, "experts": [], "method": "passthrough", "layers": layers}
 
 
-def one_slice_as_models(config: MergekitConfig) -> dict[str, Any]:
-    """A merge of ``slices`` that is one slice over every layer of its models (the form many published configs
-    take), written as the same merge of ``models`` (its sources, the slice's parameters over the config's); several
-    slices merged range by range are refused in one line."""
+def slice_merges(config: MergekitConfig) -> list[tuple[int, int, dict[str, Any]]]:
+    """The merges of ``slices`` (not passthrough), each as (first layer, end, the same merge written with ``models``:
+    its sources, the slice's parameters over the config's): one slice over every layer of its models (the form many
+    published configs take), or several that merge the same models over consecutive layer ranges, each source of a
+    slice taking the same range, from the first layer to the last. Anything else is refused in one line."""
     slices = config.slices or []
-    ranges = {tuple(src.get("layer_range", ())) for piece in slices for src in piece.get("sources", [])}
-    if len(slices) != 1 or len(ranges) != 1 or not isinstance(slices[0], Mapping):
-        raise RecipeError(
-            f"slices with merge_method '{config.merge_method}' merging layer ranges range by range are not supported: "
-            "one slice whose sources all take every layer is (or write the merge with models)",
-            ("slices",),
-        )
-    piece = slices[0]
-    unknown = [key for key in piece if key not in ("sources", "parameters")]
-    if unknown:
-        raise RecipeError(f"slices[0]: '{unknown[0]}' is not supported (sources and parameters are)", ("slices", 0))
-    first, end = ranges.pop()
-    models = []
-    for i, source in enumerate(piece["sources"]):
-        extra = [key for key in source if key not in ("model", "layer_range", "parameters")]
-        if extra or "model" not in source:
-            raise RecipeError(f"slices[0].sources[{i}]: give model, layer_range and parameters only", ("slices", 0))
-        models.append(
-            {"model": source["model"], **({"parameters": source["parameters"]} if source.get("parameters") else {})}
-        )
-    layers = _local_layer_count(config.base_model or models[0]["model"])
-    if first != 0 or layers is None or end != layers:
+    parts, models = [], None
+    for i, piece in enumerate(slices):
+        if not isinstance(piece, Mapping) or not isinstance(piece.get("sources"), list) or not piece["sources"]:
+            raise RecipeError(f"slices[{i}]: a slice is {{sources: [...], parameters: {{...}}}}", ("slices", i))
+        unknown = [key for key in piece if key not in ("sources", "parameters")]
+        if unknown:
+            raise RecipeError(
+                f"slices[{i}]: '{unknown[0]}' is not supported (sources and parameters are)", ("slices", i)
+            )
+        sources = []
+        for k, source in enumerate(piece["sources"]):
+            extra = [key for key in source if key not in ("model", "layer_range", "parameters")]
+            if not isinstance(source, Mapping) or extra or "model" not in source or "layer_range" not in source:
+                raise RecipeError(
+                    f"slices[{i}].sources[{k}]: give model, layer_range and parameters only", ("slices", i, k)
+                )
+            sources.append(source)
+        ranges = {tuple(source["layer_range"]) for source in sources}
+        names = [source["model"] for source in sources]
+        if len(ranges) != 1 or (models is not None and names != models):
+            raise RecipeError(
+                f"slices[{i}]: slices merging different layers of their models (or other models than the first "
+                "slice's) are not supported: each slice's sources take the same layer_range of the same models",
+                ("slices", i),
+            )
+        models = names
+        first, end = ranges.pop()
+        entries = [
+            {"model": s["model"], **({"parameters": s["parameters"]} if s.get("parameters") else {})} for s in sources
+        ]
+        data = config.model_dump(exclude_none=True, exclude={"slices"})
+        parameters = {**(config.parameters or {}), **(piece.get("parameters") or {})}
+        parts.append((first, end, {**data, "models": entries, **({"parameters": parameters} if parameters else {})}))
+    layers = _local_layer_count(config.base_model or (models or [""])[0])
+    starts = [first for first, _, _ in parts]
+    ends = [end for _, end, _ in parts]
+    if layers is None or starts != [0, *ends[:-1]] or ends[-1] != layers:
         have = (
             "its layer count is not known here (a local folder's config.json)" if layers is None else f"{layers} layers"
         )
+        given = ", ".join(f"[{first}, {end}]" for first, end, _ in parts)
         raise RecipeError(
-            f"slices: layer_range [{first}, {end}] must take every layer of the models ({have}): a slice of some "
-            "layers only is a smaller model, not supported; write the merge with models",
+            f"slices: the layer ranges {given} must follow each other from the first layer to the last of the models "
+            f"({have}): a merge of some layers only is a smaller model, not supported; write the merge with models",
             ("slices",),
         )
-    data = config.model_dump(exclude_none=True, exclude={"slices"})
-    parameters = {**(config.parameters or {}), **(piece.get("parameters") or {})}
-    return {**data, "models": models, **({"parameters": parameters} if parameters else {})}
+    return parts
 
 
 def _local_layer_count(spec: str) -> int | None:
