@@ -17,6 +17,7 @@ from specmerge.cli import main
 from specmerge.errors import RecipeError
 from specmerge.pipeline.recipe.layered import NoCondition, evaluate
 from specmerge.pipeline.recipe.mergekit import convert, is_mergekit_config
+from specmerge.pipeline.recipe.mergekit.config import setting_of
 from specmerge.pipeline.recipe.model import Recipe
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -218,3 +219,21 @@ def test_a_file_that_cannot_be_read_is_one_line(tmp_path, capsys):
     with pytest.raises(RecipeError, match="does not exist"):
         specmerge.merge(mergekit_config=tmp_path / "missing.yaml", output=tmp_path / "out")
     assert main(["convert", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_settings_resolve_from_the_highest_precedence_down_as_mergekit_does():
+    """A model's setting over its slice's over the config's over the default; a list of conditions that does not
+    match a tensor hands it on to the next setting, as mergekit's resolver does."""
+    mlp = {"filter": "mlp", "value": 0.3}
+    assert setting_of(None, 0.5, 1.0) == 0.5 and setting_of(None, None) is None
+    assert setting_of([0, 1], 0.5) == [0, 1]  # a gradient is a value for every tensor
+    assert setting_of([mlp], 0.5) == [mlp, {"value": 0.5}]
+    assert setting_of(mlp, [{"filter": "attn", "value": [0, 1]}], 1.0) == [
+        mlp, {"filter": "attn", "value": [0, 1]}, {"value": 1.0}
+    ]  # fmt: skip
+    assert setting_of([mlp, {"value": 0.1}], 0.5) == [mlp, {"value": 0.1}]  # a catch-all: the rest never reached
+    assert setting_of([mlp, {"filter": "*", "value": 0.2}, {"value": 0.1}], 0.5) == [mlp, {"filter": "*", "value": 0.2}]
+    assert setting_of([], 0.5) == 0.5  # an empty list gives no value
+    assert setting_of([mlp], None) == [mlp]  # nothing below: the plan refuses a tensor none matches
+    for name, want in (("model.layers.0.mlp.up_proj.weight", 0.3), ("lm_head.weight", 0.5)):
+        assert evaluate(setting_of([mlp], 0.5), name, 0.0) == want

@@ -45,6 +45,26 @@ class MergekitConfig(BaseModel):
     chat_template: str | None = None
 
 
+def setting_of(*settings: Setting | None) -> Setting | None:
+    """One setting for the settings of a parameter from the highest precedence down (a source's, its slice's, the
+    config's, mergekit's default; None: not given there), as mergekit resolves them: the first given one, except that
+    a list of conditions none of which matches a tensor hands that tensor on to the next (its conditions followed by
+    the next setting's, a number or gradient as the last ``{value: ...}``). None when none is given."""
+    conditions: list[Any] = []
+    for setting in settings:
+        if isinstance(setting, Mapping):  # one condition, as mergekit also reads it
+            setting = [setting]
+        if setting is None or (isinstance(setting, list) and not setting):  # an empty list gives no value
+            continue
+        if not (isinstance(setting, list) and any(isinstance(c, Mapping) for c in setting)):
+            return [*conditions, {"value": setting}] if conditions else setting
+        for condition in setting:
+            conditions.append(condition)
+            if not isinstance(condition, Mapping) or condition.get("filter") in (None, "*"):
+                return conditions  # a condition for every tensor: the next settings are never reached
+    return conditions or None
+
+
 def is_mergekit_config(data: Any) -> bool:
     """Whether ``data`` (a YAML document) is a mergekit config rather than a specmerge recipe."""
     if not isinstance(data, Mapping) or "merge_method" not in data:

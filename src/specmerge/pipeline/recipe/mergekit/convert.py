@@ -27,7 +27,13 @@ from specmerge.errors import RecipeError, unknown_name_message
 from specmerge.pipeline.recipe.errors import parse_yaml
 from specmerge.pipeline.recipe.expert_entries import default_expert_keys
 from specmerge.pipeline.recipe.layered import validate_value, varies
-from specmerge.pipeline.recipe.mergekit.config import MergekitConfig, ModelEntry, is_mergekit_config, parse_config
+from specmerge.pipeline.recipe.mergekit.config import (
+    MergekitConfig,
+    ModelEntry,
+    is_mergekit_config,
+    parse_config,
+    setting_of,
+)
 from specmerge.pipeline.recipe.mergekit.methods import DIALECTS, NOT_YET, REQUIRED, Dialect, Target
 from specmerge.pipeline.recipe.mergekit.ranges import several_slices
 from specmerge.pipeline.recipe.mergekit.slices import passthrough_data, slice_merges
@@ -198,7 +204,7 @@ def _shared(
                 unknown_name_message(f"parameter of mergekit's {method}", key, known), ("parameters", key)
             )
     for key, target in dialect.shared.items():
-        value = given.get(key, target.default)
+        value = _setting(target, given.get(key))
         if value is REQUIRED:
             raise RecipeError(
                 f"mergekit's {method} needs parameters: {{{key}: ...}} (it has no default)", ("parameters",)
@@ -235,7 +241,7 @@ def _per_model(
     for key, target in dialect.per_model.items():
         values = []
         for entry in experts:
-            value = (entry.parameters or {}).get(key, given.get(key, target.default))
+            value = _setting(target, (entry.parameters or {}).get(key), given.get(key))
             if value is REQUIRED:
                 raise RecipeError(f"model '{entry.model}' has no {key} (mergekit requires one for {dialect.method})")
             values.append(value)
@@ -251,6 +257,14 @@ def _per_model(
                 own[i][target.name] = value
     common = own[0] if own and all(o == own[0] for o in own) else {}  # the same for every model: the method's
     return weights, [{} for _ in experts] if common else own, common
+
+
+def _setting(target: Target, *given: Any) -> Any:
+    """The setting of a parameter given (from the highest precedence down, None where not given) with mergekit's
+    default after them (:func:`~specmerge.pipeline.recipe.mergekit.config.setting_of`); REQUIRED when none is given
+    and mergekit requires one."""
+    value = setting_of(*given, None if target.default is REQUIRED else target.default)
+    return target.default if value is None else value
 
 
 def _mapped(value: Any, target: Target, what: str) -> Any:
@@ -274,7 +288,7 @@ def _mapped(value: Any, target: Target, what: str) -> Any:
 
 def _base_weight(base_entry: ModelEntry, every: Any, method: str) -> Any:
     """The weight of the model standing as the base among the points of a base-free spherical mean."""
-    weight = (base_entry.parameters or {}).get("weight", every)
+    weight = setting_of((base_entry.parameters or {}).get("weight"), every)
     if weight is None:
         raise RecipeError(f"model '{base_entry.model}' has no weight (mergekit requires one for {method})")
     return _mapped(weight, Target("weights"), f"weight of model '{base_entry.model}'")
@@ -289,7 +303,7 @@ def _linear_base(
 ) -> None:
     """linear with the base among the models: its weight is ``base_weight``; without normalize, the same average when
     the weights are constant and sum to 1, else ``model_sum`` (mergekit's sum of the models, the base's too)."""
-    base_weight = (base_entry.parameters or {}).get("weight", every) if base_entry else None
+    base_weight = setting_of((base_entry.parameters or {}).get("weight"), every) if base_entry else None
     if base_entry is not None and base_weight is None:
         raise RecipeError(f"model '{base_entry.model}' has no weight (mergekit requires one for linear)")
     if base_weight is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from specmerge.errors import RecipeError
-from specmerge.pipeline.recipe.mergekit.config import MergekitConfig
+from specmerge.pipeline.recipe.mergekit.config import MergekitConfig, setting_of
 
 
 def passthrough_data(config: MergekitConfig) -> dict[str, Any]:
@@ -78,7 +78,8 @@ def slice_merges(config: MergekitConfig) -> list[tuple[int, int, dict[str, Any]]
             {"model": s["model"], **({"parameters": s["parameters"]} if s.get("parameters") else {})} for s in sources
         ]
         data = config.model_dump(exclude_none=True, exclude={"slices"})
-        parameters = {**(config.parameters or {}), **(piece.get("parameters") or {})}
+        above, own = config.parameters or {}, piece.get("parameters") or {}
+        parameters = {key: setting_of(own.get(key), above.get(key)) for key in {**above, **own}}
         parts.append((first, end, {**data, "models": entries, **({"parameters": parameters} if parameters else {})}))
     layers = _local_layer_count(config.base_model or (models or [""])[0])
     starts = [first for first, _, _ in parts]
