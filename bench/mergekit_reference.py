@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from mergekit_inputs import (
+    LORA_NAMES,
     REFERENCES,
     build_inputs,
     config_digest,
@@ -55,11 +56,15 @@ def run_one(mergekit_yaml: Path, config: Path, folders: dict[str, Path], work: P
     rendered, out = work / f"{config.stem}.yaml", work / config.stem
     rendered.write_text(render(config, folders))
     command = [str(mergekit_yaml), str(rendered), str(out), "--random-seed", str(SEED), "--no-cuda"]
+    lora = set(LORA_NAMES) & set(family(config))
+    if lora:  # mergekit applies a model+lora's adapter in a folder of its own
+        command += ["--lora-merge-cache", str(work / "lora-cache")]
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     record = {
         "config_sha256": config_digest(config),
-        "command": f"mergekit-yaml {config.name} OUT --random-seed {SEED} --no-cuda",
+        "command": f"mergekit-yaml {config.name} OUT --random-seed {SEED} --no-cuda"
+        + (" --lora-merge-cache DIR" if lora else ""),
         "seconds": round(time.perf_counter() - start, 2),
     }
     if done.returncode != 0:

@@ -1,7 +1,8 @@
 """The tiny models of the mergekit corpus (tests/mergekit_corpus, issue 51): a 4-layer Llama base and three experts,
 built the same way by bench/mergekit_reference.py (which runs mergekit on them once, for the committed reference
 outputs) and by the tests (which run specmerge on them and compare). Each config names its models ``$base``,
-``$e0``, ``$e1``, ``$e2``; :func:`render` puts the folders in. Configs about tokenizers use a second family with a
+``$e0``, ``$e1``, ``$e2``, and ``$lora0``, a PEFT LoRA adapter of the base (mergekit's ``$base+$lora0``);
+:func:`render` puts the folders in. Configs about tokenizers use a second family with a
 word-level tokenizer whose experts add tokens (tests/token_models.py): ``$tbase``, ``$ttool`` (adds ``<tool>``,
 ``<think>``), ``$tmath`` (adds ``<think>``, ``<math>``), ``$tchat`` (adds none)."""
 
@@ -19,6 +20,7 @@ from safetensors.torch import load_file
 CORPUS = Path(__file__).parent / "mergekit_corpus"
 REFERENCES = Path(__file__).parent / "data" / "mergekit"
 NAMES = ("base", "e0", "e1", "e2")
+LORA_NAMES = ("lora0",)
 TOKEN_NAMES = ("tbase", "ttool", "tmath", "tchat")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -49,6 +51,8 @@ def build_inputs(root: Path) -> dict[str, Path]:
         model.load_state_dict(state)
         folders[f"e{i}"] = root / f"e{i}"
         model.save_pretrained(folders[f"e{i}"])
+    model.load_state_dict(base)
+    folders["lora0"] = _lora_adapter(model, root / "lora0")
     from token_models import build  # the family with added tokens (its own seeds)
 
     token_base, token_experts = build(root / "tokens")
@@ -56,12 +60,31 @@ def build_inputs(root: Path) -> dict[str, Path]:
     return folders
 
 
+def _lora_adapter(model: transformers.PreTrainedModel, folder: Path) -> Path:
+    """A rank-4 LoRA adapter of ``model`` on attention and MLP projections, its factors random (seed 4, about the
+    experts' size), saved with PEFT; the model is left as it was."""
+    import peft
+
+    torch.manual_seed(4)
+    targets = ["q_proj", "v_proj", "down_proj"]
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    wrapped = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for name, parameter in wrapped.named_parameters():
+            if "lora_" in name:
+                parameter.normal_(0, 0.03)
+    wrapped.save_pretrained(folder)
+    wrapped.unload()
+    return folder
+
+
 def inputs_digest(folders: dict[str, Path], names: tuple[str, ...] = NAMES) -> str:
     """A hash of the inputs' tensors (names, dtypes, shapes, bytes) and tokenizer files, to check that the tests rebuilt
     the very models the references were made from; ``names``: the family (:func:`family`)."""
     digest = hashlib.sha256()
     for name in names:
-        state = load_file(folders[name] / "model.safetensors")
+        weights = folders[name] / "model.safetensors"
+        state = load_file(weights if weights.is_file() else folders[name] / "adapter_model.safetensors")
         for key in sorted(state):
             tensor = state[key].contiguous()
             digest.update(f"{name}|{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
@@ -73,9 +96,12 @@ def inputs_digest(folders: dict[str, Path], names: tuple[str, ...] = NAMES) -> s
 
 
 def family(config: Path) -> tuple[str, ...]:
-    """The models a config's references depend on: the token family when it names one of them, else the first."""
+    """The models a config's references depend on: the token family when it names one of them, else the first (with
+    the LoRA adapter when it names it)."""
     text = config.read_text()
-    return TOKEN_NAMES if any(f"${name}" in text for name in TOKEN_NAMES) else NAMES
+    if any(f"${name}" in text for name in TOKEN_NAMES):
+        return TOKEN_NAMES
+    return NAMES + LORA_NAMES if any(f"${name}" in text for name in LORA_NAMES) else NAMES
 
 
 def configs() -> list[Path]:

@@ -96,7 +96,9 @@ def test_lambda_gamma_and_gradients_go_where_specmerge_takes_them():
         ),
         ({"models": [{"model": "x"}]}, "model 'x' has no weight"),
         ({"models": ["x"]}, "mergekit writes each as {model: x}"),
-        ({"models": [{"model": "x+lora", "parameters": {"weight": 1}}]}, "a model with a LoRA applied"),
+        ({"models": [{"model": "x+lora", "parameters": {"weight": 1}}]}, "LoRA to 'x', which is not base_model"),
+        ({"models": [{"model": "b+l+m", "parameters": {"weight": 1}}]}, "applies a LoRA to 'b'"),
+        ({"base_model": "b+lora"}, "base_model 'b+lora' is a model with a LoRA applied"),
         ({"chat_template": "chatml"}, "one of mergekit's built-in templates"),
         ({"tokenizer": {"source": "union", "tokens": {}}}, "token surgery"),
         ({"tokenizer_source": "z"}, "tokenizer_source 'z' is not one of the models"),
@@ -110,6 +112,12 @@ def test_what_specmerge_cannot_honour_is_refused_in_one_line(change, message):
     with pytest.raises(RecipeError) as caught:
         convert(config)
     assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_lora_applied_to_the_base_is_that_adapter_as_an_expert():
+    config = {**TIES, "models": [*TIES["models"], {"model": "b+adapter", "parameters": {"weight": 0.3}}]}
+    recipe = convert(config).recipe
+    assert recipe.base == "b" and recipe.experts == ["x", "y", "adapter"] and recipe.expert_weights == [0.5, 0.5, 0.3]
 
 
 def test_linear_lists_the_base_among_its_models():

@@ -159,16 +159,14 @@ def say_conversion(conversion: Conversion, stream: Any = None) -> None:
 
 def _split_models(config: MergekitConfig, dialect: Dialect) -> tuple[str, list[ModelEntry], ModelEntry | None]:
     """The base model, the other models (the experts) and the base's own entry among the models (or None)."""
-    entries = list(config.models or [])
-    for i, entry in enumerate(entries):
-        if "+" in entry.model and not os.path.exists(entry.model):
-            raise RecipeError(
-                f"models[{i}]: '{entry.model}' is a model with a LoRA applied (model+lora): merge the LoRA into the "
-                "model first (specmerge merges LoRA experts given as adapters over the base)",
-                ("models", i),
-            )
-    names = [entry.model for entry in entries]
     base = config.base_model
+    if base is not None and _lora_applied(base):
+        raise RecipeError(
+            f"base_model '{base}' is a model with a LoRA applied (model+lora): merge the LoRA into it first",
+            ("base_model",),
+        )
+    entries = [_lora_over_base(entry, i, base) for i, entry in enumerate(config.models or [])]
+    names = [entry.model for entry in entries]
     if base is None and dialect.base == "required":
         raise RecipeError(
             f"merge_method '{config.merge_method}' needs base_model: name the model the others were tuned from"
@@ -189,6 +187,25 @@ def _split_models(config: MergekitConfig, dialect: Dialect) -> tuple[str, list[M
             f"merge_method '{config.merge_method}' takes {count} model(s) besides the base, got {len(experts)}"
         )
     return base, experts, base_entry
+
+
+def _lora_applied(model: str) -> bool:
+    return "+" in model and not os.path.exists(model)
+
+
+def _lora_over_base(entry: ModelEntry, i: int, base: str | None) -> ModelEntry:
+    """A model with a LoRA applied (mergekit's ``model+lora``) as what specmerge merges the same: the LoRA adapter,
+    an expert over the base, when the model is ``base_model``; any other model with a LoRA is refused."""
+    if not _lora_applied(entry.model):
+        return entry
+    parts = entry.model.split("+")
+    if len(parts) != 2 or parts[0] != base:
+        raise RecipeError(
+            f"models[{i}]: '{entry.model}' applies a LoRA to '{parts[0]}', which is not base_model: specmerge merges a "
+            "LoRA adapter as an expert over the base; merge the LoRA into that model first",
+            ("models", i),
+        )
+    return ModelEntry(model=parts[1], parameters=entry.parameters)
 
 
 def _shared(
