@@ -245,3 +245,34 @@ def test_settings_resolve_from_the_highest_precedence_down_as_mergekit_does():
     assert setting_of([mlp], None) == [mlp]  # nothing below: the plan refuses a tensor none matches
     for name, want in (("model.layers.0.mlp.up_proj.weight", 0.3), ("lm_head.weight", 0.5)):
         assert evaluate(setting_of([mlp], 0.5), name, 0.0) == want
+
+
+def test_slices_of_hub_models_are_read_from_the_cache(inputs, tmp_path, monkeypatch):
+    """The form most published slerp configs take: slices of hub ids. Their layers are counted (and, for several
+    slices, named) from the cache's snapshot, offline, and the merge equals the same config on the local folders."""
+    from hub_cache import add_commit, folder_files
+
+    root = tmp_path / "hub"
+    for name in ("base", "e0"):
+        add_commit(root, f"org/{name}", folder_files(inputs[name]))
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+
+    def two_slices(base: str, expert: str) -> dict:
+        ranges = ([0, 2], [2, 4])
+        return {
+            "merge_method": "slerp", "base_model": base, "parameters": {"t": [0, 1]}, "dtype": "float32",
+            "slices": [{"sources": [{"model": base, "layer_range": r}, {"model": expert, "layer_range": r}]}
+                       for r in ranges],
+        }  # fmt: skip
+
+    hub, local = two_slices("org/base", "org/e0"), two_slices(str(inputs["base"]), str(inputs["e0"]))
+    specmerge.merge(mergekit_config=hub, output=tmp_path / "hub-out", progress=False)
+    specmerge.merge(mergekit_config=local, output=tmp_path / "local-out", progress=False)
+    merged = [load_file(tmp_path / f"{o}/model.safetensors") for o in ("hub-out", "local-out")]
+    assert merged[0].keys() == merged[1].keys() and all(merged[0][k].equal(merged[1][k]) for k in merged[0])
+    one = {**hub, "slices": [{"sources": [{"model": m, "layer_range": [0, 4]} for m in ("org/base", "org/e0")]}]}
+    assert convert(one).recipe.experts == ["org/e0"]  # one slice over every layer: the merge of the models
+    with pytest.raises(specmerge.errors.SpecmergeError, match="org/missing"):  # not cached, offline: said
+        convert({**one, "base_model": "org/missing"})

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from specmerge.errors import RecipeError, SpecmergeError
@@ -21,7 +20,7 @@ from specmerge.io.formats.sources import open_source
 from specmerge.io.views.stacked import before_layers, layer_of
 from specmerge.pipeline.recipe.layered import interpolate, is_conditions, varies
 from specmerge.pipeline.recipe.mergekit.config import MergekitConfig
-from specmerge.pipeline.recipe.mergekit.slices import slice_merges
+from specmerge.pipeline.recipe.mergekit.slices import model_folder, slice_merges
 
 
 def several_slices(config: MergekitConfig, convert: Callable[[Mapping[str, Any]], Any]) -> tuple[dict, list[str]]:
@@ -86,9 +85,9 @@ def _at(value: Any, t: float) -> Any:
 
 
 def _tensor_names(base: str) -> list[str]:
-    """The names of the base's tensors (its local folder's checkpoint)."""
+    """The names of the base's tensors (its folder's checkpoint, a hub id's in the cache)."""
     try:
-        with open_source(Path(base)) as source:
+        with open_source(model_folder(base)) as source:
             return list(source.infos())
     except (SpecmergeError, OSError) as err:  # a missing or unreadable folder: one line, as a recipe error
         raise RecipeError(f"slices: the base model '{base}' cannot be read for its layers' names: {err}") from None

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from specmerge.errors import RecipeError
+from specmerge.io.hub.ids import resolve_input
 from specmerge.pipeline.recipe.mergekit.config import MergekitConfig, setting_of
 
 
@@ -81,13 +82,11 @@ def slice_merges(config: MergekitConfig) -> list[tuple[int, int, dict[str, Any]]
         above, own = config.parameters or {}, piece.get("parameters") or {}
         parameters = {key: setting_of(own.get(key), above.get(key)) for key in {**above, **own}}
         parts.append((first, end, {**data, "models": entries, **({"parameters": parameters} if parameters else {})}))
-    layers = _local_layer_count(config.base_model or (models or [""])[0])
+    layers = _layer_count(config.base_model or (models or [""])[0])
     starts = [first for first, _, _ in parts]
     ends = [end for _, end, _ in parts]
     if layers is None or starts != [0, *ends[:-1]] or ends[-1] != layers:
-        have = (
-            "its layer count is not known here (a local folder's config.json)" if layers is None else f"{layers} layers"
-        )
+        have = "its config.json states no num_hidden_layers" if layers is None else f"{layers} layers"
         given = ", ".join(f"[{first}, {end}]" for first, end, _ in parts)
         raise RecipeError(
             f"slices: the layer ranges {given} must follow each other from the first layer to the last of the models "
@@ -97,9 +96,21 @@ def slice_merges(config: MergekitConfig) -> list[tuple[int, int, dict[str, Any]]
     return parts
 
 
-def _local_layer_count(spec: str) -> int | None:
-    """num_hidden_layers of a local model folder's config.json (None: not a local folder, or not stated)."""
-    config_file = Path(spec) / "config.json"
+def model_folder(spec: str) -> Path:
+    """The folder of the model ``spec``: a local folder, or a hub id's cache snapshot (downloaded unless offline, as
+    the merge itself would; a HubError in one line when it cannot be had)."""
+    return resolve_input(spec).path
+
+
+def _layer_count(spec: str) -> int | None:
+    """num_hidden_layers of the model's config.json (None: not stated); a RecipeError when it has none."""
+    config_file = model_folder(spec) / "config.json"
+    if not config_file.is_file():
+        raise RecipeError(
+            f"slices: the model '{spec}' has no config.json ({config_file}), whose layer count the slices are checked "
+            "against: give a model folder or a Hugging Face hub id",
+            ("slices",),
+        )
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
