@@ -63,16 +63,10 @@ def build_inputs(root: Path) -> dict[str, Path]:
 def _lora_adapter(model: transformers.PreTrainedModel, folder: Path) -> Path:
     """A rank-4 LoRA adapter of ``model`` on attention and MLP projections, its factors random (seed 4, about the
     experts' size), saved with PEFT; the model is left as it was."""
-    import peft
+    from tiny_models import random_lora
 
-    torch.manual_seed(4)
     targets = ["q_proj", "v_proj", "down_proj"]
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
-    wrapped = peft.get_peft_model(model, config)
-    with torch.no_grad():
-        for name, parameter in wrapped.named_parameters():
-            if "lora_" in name:
-                parameter.normal_(0, 0.03)
+    wrapped = random_lora(model, 4, std=0.03, r=4, lora_alpha=8, target_modules=targets)
     wrapped.save_pretrained(folder)
     wrapped.unload()
     return folder

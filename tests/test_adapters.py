@@ -10,6 +10,7 @@ import transformers
 from specmerge import get_method
 from specmerge.io.formats.peft import AdapterError, is_adapter, open_adapter
 from specmerge.io.formats.sources import open_source
+from tiny_models import random_lora
 
 
 def tiny_llama(seed=0, hidden=32):
@@ -23,14 +24,7 @@ def tiny_llama(seed=0, hidden=32):
 
 def make_adapter(model_fn, folder, seed, **lora):
     """Save a randomly initialised (non-zero B) adapter and return PEFT's merged state dict."""
-    model = model_fn()
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(init_lora_weights=False, **lora)
-    wrapped = peft.get_peft_model(model, config)
-    with torch.no_grad():
-        for name, p in wrapped.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.1)
+    wrapped = random_lora(model_fn(), seed, std=0.1, **lora)
     wrapped.save_pretrained(folder)
     return {k: v.clone() for k, v in wrapped.merge_and_unload().state_dict().items()}
 

@@ -87,8 +87,8 @@ def dummy_inputs(arch: str) -> dict:
     return {"input_ids": torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))}
 
 
-def random_lora(model, seed, **lora):
-    """``model`` wrapped by PEFT with a random LoRA adapter (B non-zero, entries N(0, 0.2^2), seeded)."""
+def random_lora(model, seed, *, std: float = 0.2, **lora):
+    """``model`` wrapped by PEFT with a random LoRA adapter (B non-zero, entries N(0, std^2), seeded)."""
     import peft
 
     torch.manual_seed(seed)
@@ -96,7 +96,7 @@ def random_lora(model, seed, **lora):
     with torch.no_grad():
         for name, p in wrapped.named_parameters():
             if "lora_" in name:
-                p.normal_(0, 0.2)
+                p.normal_(0, std)
     return wrapped
 
 
