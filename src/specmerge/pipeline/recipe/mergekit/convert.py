@@ -75,7 +75,7 @@ def convert(data: Mapping[str, Any]) -> Conversion:
     if name == "passthrough":
         return _finish(config, passthrough_data(config), [])
     if config.slices is not None and len(config.slices) == 1:
-        return convert(slice_merges(config)[0][2])  # one slice over every layer: the same merge of models
+        return convert(slice_merges(config)[1][0][2])  # one slice over every layer: the same merge of models
     if config.slices is not None:
         data, differences = several_slices(config, convert)
         return _validated(data, differences)

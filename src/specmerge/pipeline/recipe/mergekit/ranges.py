@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from specmerge.errors import RecipeError, SpecmergeError
@@ -20,13 +21,13 @@ from specmerge.io.formats.sources import open_source
 from specmerge.io.views.stacked import before_layers, layer_of
 from specmerge.pipeline.recipe.layered import interpolate, is_conditions, varies
 from specmerge.pipeline.recipe.mergekit.config import MergekitConfig
-from specmerge.pipeline.recipe.mergekit.slices import model_folder, slice_merges
+from specmerge.pipeline.recipe.mergekit.slices import slice_merges
 
 
 def several_slices(config: MergekitConfig, convert: Callable[[Mapping[str, Any]], Any]) -> tuple[dict, list[str]]:
     """The recipe data of a merge of several slices (``convert`` makes each slice's merge) and the differences from
     mergekit that its slices' conversions list, each once."""
-    parts = slice_merges(config)
+    folder, parts = slice_merges(config)
     conversions = [convert(data) for _, _, data in parts]
     out = dict(conversions[0].data)
     own = [_own_params(c.data) for c in conversions]
@@ -36,7 +37,7 @@ def several_slices(config: MergekitConfig, convert: Callable[[Mapping[str, Any]]
             "with several slices: give it under the slice's parameters (the same for every model), or use one slice",
             ("slices",),
         )
-    names = _tensor_names(out["base"])
+    names = _tensor_names(folder, out["base"])
     prefix = _layer_prefix(names, out["base"])
     overrides = []
     for (first, end, _), conversion in zip(parts, conversions, strict=True):
@@ -84,10 +85,10 @@ def _at(value: Any, t: float) -> Any:
     return value
 
 
-def _tensor_names(base: str) -> list[str]:
-    """The names of the base's tensors (its folder's checkpoint, a hub id's in the cache)."""
+def _tensor_names(folder: Path, base: str) -> list[str]:
+    """The names of the tensors of the base in ``folder`` (a hub id's cache snapshot, as resolved for its slices)."""
     try:
-        with open_source(model_folder(base)) as source:
+        with open_source(folder) as source:
             return list(source.infos())
     except (SpecmergeError, OSError) as err:  # a missing or unreadable folder: one line, as a recipe error
         raise RecipeError(f"slices: the base model '{base}' cannot be read for its layers' names: {err}") from None

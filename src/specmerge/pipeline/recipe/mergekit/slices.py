@@ -42,8 +42,9 @@ def passthrough_data(config: MergekitConfig) -> dict[str, Any]:
     return {"base": base, "experts": [], "method": "passthrough", "layers": layers}
 
 
-def slice_merges(config: MergekitConfig) -> list[tuple[int, int, dict[str, Any]]]:
-    """The merges of ``slices`` (not passthrough), each as (first layer, end, the same merge written with ``models``:
+def slice_merges(config: MergekitConfig) -> tuple[Path, list[tuple[int, int, dict[str, Any]]]]:
+    """The folder of the base (a hub id's cache snapshot, downloaded unless offline, as the merge itself would) and
+    the merges of ``slices`` (not passthrough), each as (first layer, end, the same merge written with ``models``:
     its sources, the slice's parameters over the config's): one slice over every layer of its models (the form many
     published configs take), or several that merge the same models over consecutive layer ranges, each source of a
     slice taking the same range, from the first layer to the last. Anything else is refused in one line."""
@@ -82,7 +83,9 @@ def slice_merges(config: MergekitConfig) -> list[tuple[int, int, dict[str, Any]]
         above, own = config.parameters or {}, piece.get("parameters") or {}
         parameters = {key: setting_of(own.get(key), above.get(key)) for key in {**above, **own}}
         parts.append((first, end, {**data, "models": entries, **({"parameters": parameters} if parameters else {})}))
-    layers = _layer_count(config.base_model or (models or [""])[0])
+    base = config.base_model or (models or [""])[0]
+    folder = resolve_input(base).path  # a HubError in one line when it cannot be had
+    layers = _layer_count(folder, base)
     starts = [first for first, _, _ in parts]
     ends = [end for _, end, _ in parts]
     if layers is None or starts != [0, *ends[:-1]] or ends[-1] != layers:
@@ -93,18 +96,13 @@ def slice_merges(config: MergekitConfig) -> list[tuple[int, int, dict[str, Any]]
             f"({have}): a merge of some layers only is a smaller model, not supported; write the merge with models",
             ("slices",),
         )
-    return parts
+    return folder, parts
 
 
-def model_folder(spec: str) -> Path:
-    """The folder of the model ``spec``: a local folder, or a hub id's cache snapshot (downloaded unless offline, as
-    the merge itself would; a HubError in one line when it cannot be had)."""
-    return resolve_input(spec).path
-
-
-def _layer_count(spec: str) -> int | None:
-    """num_hidden_layers of the model's config.json (None: not stated); a RecipeError when it has none."""
-    config_file = model_folder(spec) / "config.json"
+def _layer_count(folder: Path, spec: str) -> int | None:
+    """num_hidden_layers of the config.json in the model ``spec``'s ``folder`` (None: not stated); a RecipeError
+    when it has none."""
+    config_file = folder / "config.json"
     if not config_file.is_file():
         raise RecipeError(
             f"slices: the model '{spec}' has no config.json ({config_file}), whose layer count the slices are checked "
