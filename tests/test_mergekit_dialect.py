@@ -99,6 +99,13 @@ def test_lambda_gamma_and_gradients_go_where_specmerge_takes_them():
         ({"models": [{"model": "x+lora", "parameters": {"weight": 1}}]}, "LoRA to 'x', which is not base_model"),
         ({"models": [{"model": "b+l+m", "parameters": {"weight": 1}}]}, "applies a LoRA to 'b'"),
         ({"base_model": "b+lora"}, "base_model 'b+lora' is a model with a LoRA applied"),
+        ({"base_model": {"model": "b", "override_architecture": "X"}}, "override_architecture is not supported"),
+        ({"base_model": {"path": "b"}}, "base_model: a model is its path or {model: M, lora: L}"),
+        (
+            {"models": [{"model": {"model": {"path": "x", "rev": "main"}}, "parameters": {"weight": 1}}]},
+            "models.0.model.model: give a path, path@revision or {path: P, revision: R}",
+        ),
+        ({"models": [{"model": 3, "parameters": {"weight": 1}}]}, "'models.0.model' input should be a valid string"),
         ({"chat_template": "chatml"}, "one of mergekit's built-in templates"),
         ({"tokenizer": {"source": "union", "tokens": {}}}, "token surgery"),
         ({"tokenizer_source": "z"}, "tokenizer_source 'z' is not one of the models"),
@@ -118,6 +125,21 @@ def test_a_lora_applied_to_the_base_is_that_adapter_as_an_expert():
     config = {**TIES, "models": [*TIES["models"], {"model": "b+adapter", "parameters": {"weight": 0.3}}]}
     recipe = convert(config).recipe
     assert recipe.base == "b" and recipe.experts == ["x", "y", "adapter"] and recipe.expert_weights == [0.5, 0.5, 0.3]
+
+
+def test_mergekits_mapping_form_of_a_model_is_its_text_form(inputs):
+    mapping = {"model": {"path": "b", "revision": "v1"}, "lora": "adapter@main"}
+    config = {
+        **TIES,
+        "base_model": {"model": "b@v1"},
+        "models": [*TIES["models"], {"model": mapping, "parameters": {"weight": 1}}],
+    }
+    recipe = convert(config).recipe
+    assert recipe.base == "b@v1" and recipe.experts == ["x", "y", "adapter@main"]
+    base, lora = str(inputs["base"]), str(inputs["lora0"])
+    source = {"model": {"model": {"path": base}, "lora": {"path": lora}}, "parameters": {"weight": 1, "density": 1}}
+    slices = {"merge_method": "ties", "base_model": base, "slices": [{"sources": [{**source, "layer_range": [0, 4]}]}]}
+    assert convert(slices).recipe.experts == [lora]
 
 
 def test_linear_lists_the_base_among_its_models():

@@ -73,6 +73,61 @@ def is_mergekit_config(data: Any) -> bool:
     return not specmerge and any(key in data for key in ("models", "slices", "modules"))
 
 
+def model_reference(value: Any, where: tuple[Any, ...]) -> Any:
+    """A model as mergekit reads it, ``path[@revision][+lora[@revision]]`` or its mapping ``{model: ..., lora: ...}``
+    (each a path, ``path@revision`` or ``{path, revision}``), as the text form; anything else is returned as it is
+    (for the config's own check to name it)."""
+    if not isinstance(value, Mapping):
+        return value
+    unknown = [key for key in value if key not in ("model", "lora", "override_architecture")]
+    label = ".".join(str(part) for part in where)
+    if unknown or "model" not in value:
+        raise RecipeError(f"{label}: a model is its path or {{model: M, lora: L}}, not {dict(value)!r}", where)
+    if value.get("override_architecture") is not None:
+        raise RecipeError(
+            f"{label}: override_architecture is not supported: write the architecture into a copy of the model's "
+            "config.json and name that folder",
+            where,
+        )
+    paths = [_model_path(value[key], (*where, key)) for key in ("model", "lora") if value.get(key) is not None]
+    return "+".join(paths)
+
+
+def _model_path(value: Any, where: tuple[Any, ...]) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("path"), str) and set(value) <= {"path", "revision"}:
+        revision = value.get("revision")
+        return f"{value['path']}@{revision}" if revision else value["path"]
+    label = ".".join(str(part) for part in where)
+    raise RecipeError(f"{label}: give a path, path@revision or {{path: P, revision: R}}, not {value!r}", where)
+
+
+def with_model_references(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` with every model reference (``base_model``, ``models``' and slices' sources' ``model``) as text."""
+    data = dict(data)
+    if "base_model" in data:
+        data["base_model"] = model_reference(data["base_model"], ("base_model",))
+    if isinstance(data.get("models"), list):
+        data["models"] = [_entry_reference(entry, ("models", i)) for i, entry in enumerate(data["models"])]
+    if isinstance(data.get("slices"), list):
+        data["slices"] = [_slice_references(piece, i) for i, piece in enumerate(data["slices"])]
+    return data
+
+
+def _entry_reference(entry: Any, where: tuple[Any, ...]) -> Any:
+    if not isinstance(entry, Mapping) or "model" not in entry:
+        return entry
+    return {**entry, "model": model_reference(entry["model"], (*where, "model"))}
+
+
+def _slice_references(piece: Any, i: int) -> Any:
+    if not isinstance(piece, Mapping) or not isinstance(piece.get("sources"), list):
+        return piece
+    sources = [_entry_reference(source, ("slices", i, "sources", k)) for k, source in enumerate(piece["sources"])]
+    return {**piece, "sources": sources}
+
+
 def parse_config(data: Mapping[str, Any]) -> MergekitConfig:
     """The config, checked key by key; a one-line :class:`RecipeError` names what mergekit itself would not read."""
     for key in data:
@@ -80,16 +135,10 @@ def parse_config(data: Mapping[str, Any]) -> MergekitConfig:
             raise RecipeError(
                 unknown_name_message("key of a mergekit config", str(key), list(MergekitConfig.model_fields)), (key,)
             )
+    data = with_model_references(data)
     for i, entry in enumerate(data.get("models") or []):
         if isinstance(entry, str):
             raise RecipeError(f"models[{i}] is '{entry}': mergekit writes each as {{model: {entry}}}", ("models", i))
-        if isinstance(entry, Mapping) and not isinstance(entry.get("model"), str):
-            model = entry.get("model")
-            raise RecipeError(
-                f"models[{i}]: model is {model!r}: give the model's folder or hub id as text (a model with its "
-                "LoRA, {model: ..., lora: ...}, is not supported: merge the LoRA into it first)",
-                ("models", i),
-            )
     try:
         config = MergekitConfig.model_validate(dict(data))
     except ValidationError as err:
