@@ -20,6 +20,7 @@ from typing import Any
 
 from specmerge.errors import RecipeError, unknown_name_message
 from specmerge.methods import get_method
+from specmerge.methods.linear import weight_sum
 from specmerge.pipeline.recipe.layered import first_value, validate_layered, validate_value, varies
 
 ENTRY_KEYS = ("path", "weight", "name", "params")
@@ -109,8 +110,8 @@ def scalar_weights(weights: Sequence[Any] | None) -> list[float] | None:
 
 def check_weights(weights: Sequence[Any] | None, uses: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
     """Refuse weights that a method the recipe uses (name, params) does not define, or on which it cannot compute
-    (a weighted mean of weights summing to 0), in one line; weights that vary are checked at their first values
-    here, and per tensor by the plan."""
+    (a weighted mean of weights summing to 0, ``normalize: true`` over them), in one line, before anything is read;
+    weights that vary are checked at their first values here, and per tensor by the plan."""
     if weights is None:
         return
     first = scalar_weights(weights)
@@ -118,8 +119,13 @@ def check_weights(weights: Sequence[Any] | None, uses: Sequence[tuple[str, Mappi
         method = get_method(name)
         try:
             method.check_weights(first, len(first))
-            if method.linear and not any(varies(w) for w in weights):  # its coefficients, at the first values
-                method.linear_coefficient({k: first_value(v) for k, v in params.items()}, len(first), first)
+            if any(varies(w) for w in weights):
+                continue
+            values = {k: first_value(v) for k, v in params.items()}
+            if method.linear:  # its coefficients
+                method.linear_coefficient(values, len(first), first)
+            if method.weighting == "any" and method.validate(values).get("normalize") is True:
+                weight_sum(first, None)  # normalize divides by the weights' sum
         except ValueError as err:
             raise RecipeError(str(err)) from None
 
