@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specmerge_bench.figures import check, check_text, run_record, tables
+from specmerge_bench.figures import check, check_text, run_record, tables, update_text
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = "bench/results/accuracy/results/b9c95668d42a795d+8d3e2fa82c99d5fc-fc65a48fcb32-float32-AVX2-seeds-0"
@@ -50,6 +50,22 @@ def test_a_planted_row_the_record_lacks_is_found(output):
     text = documented(output).rstrip("\n") + "\n| A method never run | 80.0 ± 0.1 |\n"
     problems = check_text(text, "doc.md", ROOT, {RECORD: output})
     assert problems == ["doc.md:4: row 'A method never run' is not in the record"]
+
+
+def test_update_prints_a_table_afresh_from_its_record(output):
+    first = tables(output)[0]
+    label, cell, column = first.rows[3][0], first.rows[3][1], first.header[1]
+    stale = documented(output).replace(f"| {label} | {cell} |", f"| {label} | 99.9 ± 0.0 |")
+    stale = stale.replace(f"| {column} |", "| an older run (2 seeds) |")  # the record gained a run since
+    updated, problems = update_text(stale + "\nAfter.\n", "doc.md", ROOT, {RECORD: output})
+    assert problems == [] and updated == documented(output) + "\nAfter.\n"
+    assert check_text(updated, "doc.md", ROOT, {RECORD: output}) == []
+    fewer = documented(output).replace(f"| {label} | {cell} |\n", "")  # a table quoting some rows keeps to them
+    assert update_text(fewer, "doc.md", ROOT, {RECORD: output}) == (fewer, [])
+    other = fewer.replace("| method |", "| task |")
+    assert update_text(other, "doc.md", ROOT, {RECORD: output})[1] == [
+        "doc.md:4: the record's output has no table with the first column 'task'"
+    ]
 
 
 MESSAGE = ("is in no record: quote it from a recorded table of this file or from the output of the `<!-- figures: "
@@ -120,3 +136,13 @@ def test_the_command_line_exits_1_on_a_problem(tmp_path):
                           text=True)  # fmt: skip
     assert done.returncode == 1 and "an accuracy table with no record" in done.stdout
     assert "1 documents, 2 problems" in done.stderr  # the table, its figure
+
+
+def test_the_command_line_updates_a_stale_table(tmp_path, output):
+    doc = tmp_path / "doc.md"
+    first = tables(output)[0]
+    doc.write_text(documented(output).replace(f"| {first.rows[0][1]} |", "| 1.0 ± 0.0 |"))
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "check_figures.py"), "--update", str(doc)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0 and "1 documents, 0 problems" in done.stderr, done.stdout
+    assert doc.read_text() == documented(output)

@@ -20,6 +20,9 @@ column name (a table may show fewer rows or columns than the command prints). It
   and every ``mean ± std`` figure elsewhere.
 
 Run it as ``python bench/check_figures.py`` (the tests run it on the repository's own documents).
+``--update`` rewrites each recorded table from its command's output instead (after a record line gained a run, say):
+the same rows, and the same columns when the output still has them all, else the output table's columns; the
+figures in the text are left to the writer, and the check that follows names those no record holds.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class Table:
     header: list[str]
     rows: list[list[str]]
     record: str | None = None  # the command of the ``record`` line above it
+    rule: list[str] | None = None  # the cells of the line under the header (``---:``: right-aligned)
 
     @property
     def about_accuracy(self) -> bool:
@@ -90,7 +94,7 @@ def tables(text: str) -> list[Table]:
             i += 1
         above = next((lines[k] for k in range(start - 1, -1, -1) if lines[k].strip()), "")
         match = RECORD.match(above)
-        found.append(Table(start + 1, header, rows, match["command"] if match else None))
+        found.append(Table(start + 1, header, rows, match["command"] if match else None, _cells(lines[start + 1])))
     return found
 
 
@@ -192,6 +196,49 @@ def check_text(text: str, name: str, root: Path, outputs: dict[str, str | None] 
     return problems
 
 
+def _best(table: Table, made: Sequence[Table]) -> Table | None:
+    """The output table that ``table`` quotes: the same first column, most of its columns and row labels."""
+    labels = {row[0] for row in table.rows}
+    scored = [(len(set(table.header) & set(t.header)) + len(labels & {row[0] for row in t.rows}), -i, t)
+              for i, t in enumerate(made) if t.header[1:] and t.header[0] == table.header[0]]  # fmt: skip
+    return max(scored, key=lambda item: item[:2])[2] if scored else None
+
+
+def _table_text(table: Table, made: Table) -> list[str]:
+    """``table``'s lines printed afresh from ``made``: its rows (those ``made`` still has), its columns (or
+    ``made``'s when some are gone)."""
+    header = table.header if set(table.header) <= set(made.header) else made.header
+    columns = [made.header.index(name) for name in header]
+    by_label = {row[0]: row for row in made.rows}
+    rule = [(made.rule or [])[c] if c < len(made.rule or []) else "---" for c in columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
+    for row in table.rows:
+        if row[0] in by_label:
+            lines.append("| " + " | ".join(by_label[row[0]][c] for c in columns) + " |")
+    return lines
+
+
+def update_text(
+    text: str, name: str, root: Path, outputs: dict[str, str | None] | None = None
+) -> tuple[str, list[str]]:
+    """``text`` with each recorded table printed afresh from its command's output, and the problems met (a command
+    that does not run, a table with no counterpart in the output)."""
+    outputs = {} if outputs is None else outputs
+    problems: list[str] = []
+    lines = text.splitlines()
+    for table in reversed(tables(text)):  # from the end, so that earlier tables keep their line numbers
+        if table.record is None:
+            continue
+        where = f"{name}:{table.line}"
+        output = _output(table.record, root, outputs, problems, where)
+        made = None if output is None else _best(table, tables(output))
+        if output is not None and made is None:
+            problems.append(f"{where}: the record's output has no table with the first column {table.header[0]!r}")
+        if made is not None:
+            lines[table.line - 1 : table.line + 1 + len(table.rows)] = _table_text(table, made)
+    return "\n".join(lines) + ("\n" if text.endswith("\n") else ""), problems
+
+
 @dataclass
 class Unit:
     """A paragraph or list item of text: its numbered lines and the ``figures`` commands above its block."""
@@ -272,12 +319,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = Parser(prog="check_figures.py", description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="*", type=Path, help="documents (default: README.md, BENCHMARKS.md, docs/)")
     parser.add_argument("--root", type=Path, default=Path.cwd(), help="the repository (default: this folder)")
+    parser.add_argument("--update", action="store_true", help="rewrite each recorded table from its record, then check")
     args = parser.parse_args(argv)
     root = args.root.resolve()
     paths = [p.resolve() for p in args.paths] or None
     for path in paths or []:
         if not path.is_file():
             parser.error(f"{path} is not a file (give Markdown documents)")
+    if args.update:
+        outputs: dict[str, str | None] = {}
+        for path in paths or documents(root):
+            text = path.read_text(encoding="utf-8")
+            new, problems = update_text(text, str(path), root, outputs)
+            for problem in problems:
+                print(problem)
+            if new != text:
+                path.write_text(new, encoding="utf-8")
+                print(f"updated {path}", file=sys.stderr)
     problems = check(root, paths)
     for problem in problems:
         print(problem)
