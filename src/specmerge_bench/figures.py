@@ -20,9 +20,9 @@ column name (a table may show fewer rows or columns than the command prints). It
   and every ``mean ± std`` figure elsewhere.
 
 Run it as ``python bench/check_figures.py`` (the tests run it on the repository's own documents).
-``--update`` rewrites each recorded table from its command's output instead (after a record line gained a run, say):
-the same rows, and the same columns when the output still has them all, else the output table's columns; the
-figures in the text are left to the writer, and the check that follows names those no record holds.
+``--update`` rewrites each recorded table from its command's output first (after a record line gained a run, say):
+the table's rows, with every column of the output's table (a "seed 2" added, a header renamed); the figures in the
+text are left to the writer, and the check that follows names those no record holds.
 """
 
 from __future__ import annotations
@@ -205,17 +205,15 @@ def _best(table: Table, made: Sequence[Table]) -> Table | None:
 
 
 def _table_text(table: Table, made: Table) -> list[str]:
-    """``table``'s lines printed afresh from ``made``: its rows (those ``made`` still has), its columns (or
-    ``made``'s when some are gone)."""
-    header = table.header if set(table.header) <= set(made.header) else made.header
-    columns = [made.header.index(name) for name in header]
+    """``table``'s lines printed afresh from ``made``: ``made``'s columns, ``table``'s rows (those ``made`` has)."""
     by_label = {row[0]: row for row in made.rows}
-    rule = [(made.rule or [])[c] if c < len(made.rule or []) else "---" for c in columns]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
-    for row in table.rows:
-        if row[0] in by_label:
-            lines.append("| " + " | ".join(by_label[row[0]][c] for c in columns) + " |")
-    return lines
+    rows = [by_label[row[0]] for row in table.rows if row[0] in by_label]
+    rule = "|" + "|".join(made.rule or ["---"] * len(made.header)) + "|"
+    return [_row(made.header), rule, *(_row(row) for row in rows)]
+
+
+def _row(cells: Sequence[str]) -> str:
+    return "|" + "|".join(f" {cell} " if cell else " " for cell in cells) + "|"
 
 
 def update_text(
@@ -319,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = Parser(prog="check_figures.py", description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="*", type=Path, help="documents (default: README.md, BENCHMARKS.md, docs/)")
     parser.add_argument("--root", type=Path, default=Path.cwd(), help="the repository (default: this folder)")
-    parser.add_argument("--update", action="store_true", help="rewrite each recorded table from its record, then check")
+    parser.add_argument("--update", action="store_true", help="print each recorded table afresh from its record first")
     args = parser.parse_args(argv)
     root = args.root.resolve()
     paths = [p.resolve() for p in args.paths] or None
