@@ -137,6 +137,10 @@ def test_a_rerun_s_cached_flags_and_times_do_not_overwrite_the_kept_provenance(t
     summary.write_text(json.dumps(retrained))  # retrained elsewhere to the same scores: the kept times stay
     keep.keep(cache, out)
     assert json.loads((out / "experts" / KEY / "summary-seeds-0.json").read_text()) == trained
+    reordered = {"experts": {"0": {"a": {"val": {"a": 0.9}, "cached": True, "seconds": {"train": 1.0}}}}}
+    summary.write_text(json.dumps(reordered))  # a rerun writes the same scores in another key order
+    keep.keep(cache, out)
+    assert (out / "experts" / KEY / "summary-seeds-0.json").read_text() == json.dumps(trained)
     changed = {"experts": {"0": {"a": {"seconds": {"train": 13.0}, "val": {"a": 0.8}, "cached": False}}}}
     summary.write_text(json.dumps(changed))  # anything else that changed is copied, times and all
     keep.keep(cache, out)

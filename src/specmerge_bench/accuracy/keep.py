@@ -42,10 +42,10 @@ def keep(cache_dir: Path, out_dir: Path) -> tuple[list[Path], list[Path]]:
 
     Symbolic links are not followed (nothing outside the cache is read); each file is replaced atomically, so an
     interrupted copy leaves the previous one. A kept record that differs from the cache's only in its ``"cached"``
-    flags and ``"seconds"`` times is left as it is (:func:`_same_but_provenance`): a rerun that read an expert back
-    from the cache rewrites its summary with ``"cached": true``, one on a fresh machine retrains it to the same
-    scores in another time, and the kept copy (the run BENCHMARKS.md quotes, with its times) is the record worth
-    keeping. Returns (kept, left out as too large).
+    flags, ``"seconds"`` times and the order of its keys is left as it is (:func:`_same_but_provenance`): a rerun
+    that read an expert back from the cache rewrites its summary with ``"cached": true``, one on a fresh machine
+    retrains it to the same scores in another time, and the kept copy (the run BENCHMARKS.md quotes, with its
+    times) is the record worth keeping. Returns (kept, left out as too large).
     """
     cache_dir, out_dir = Path(cache_dir).resolve(), Path(out_dir).resolve()
     if not cache_dir.is_dir():
@@ -87,14 +87,15 @@ def _without_provenance(value: Any) -> Any:
 
 
 def _same_but_provenance(data: bytes, target: Path) -> bool:
-    """Whether ``target`` exists and holds the JSON ``data`` but for ``PROVENANCE`` keys (not byte-equal)."""
+    """Whether ``target`` exists and holds the JSON ``data`` but for ``PROVENANCE`` keys and the order of keys (a
+    rerun that read its scores back from the cache writes them in another order)."""
     if not target.is_file() or target.is_symlink():
         return False
     try:
         new, old = json.loads(data), json.loads(target.read_bytes())
     except (OSError, ValueError):
         return False  # unreadable either side: copy, as before
-    return new != old and _without_provenance(new) == _without_provenance(old)
+    return _without_provenance(new) == _without_provenance(old)
 
 
 def _expert_scores(root: Path, experts_key: str, seed: int, lora: bool) -> dict[str, dict[str, float]]:
