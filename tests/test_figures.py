@@ -62,6 +62,11 @@ def test_update_prints_a_table_afresh_from_its_record(output):
     assert check_text(updated, "doc.md", ROOT, {RECORD: output}) == []
     fewer = documented(output).replace(f"| {label} | {cell} |\n", "")  # a table quoting some rows keeps to them
     assert update_text(fewer, "doc.md", ROOT, {RECORD: output}) == (fewer, [])
+    planted = documented(output).rstrip("\n") + "\n| A method never run | 80.0 ± 0.1 |\n"
+    assert update_text(planted, "doc.md", ROOT, {RECORD: output}) == (
+        documented(output),
+        ["doc.md:4: row 'A method never run' is not in the record's output: left out"],
+    )
     other = fewer.replace("| method |", "| task |")
     assert update_text(other, "doc.md", ROOT, {RECORD: output})[1] == [
         "doc.md:4: the record's output has no table with the first column 'task'"

@@ -220,7 +220,7 @@ def update_text(
     text: str, name: str, root: Path, outputs: dict[str, str | None] | None = None
 ) -> tuple[str, list[str]]:
     """``text`` with each recorded table printed afresh from its command's output, and the problems met (a command
-    that does not run, a table with no counterpart in the output)."""
+    that does not run, a table with no counterpart in the output, a row the output no longer has)."""
     outputs = {} if outputs is None else outputs
     problems: list[str] = []
     lines = text.splitlines()
@@ -234,6 +234,8 @@ def update_text(
             problems.append(f"{where}: the record's output has no table with the first column {table.header[0]!r}")
         if made is not None:
             lines[table.line - 1 : table.line + 1 + len(table.rows)] = _table_text(table, made)
+            gone = [row[0] for row in table.rows if row[0] not in {r[0] for r in made.rows}]
+            problems += [f"{where}: row '{label}' is not in the record's output: left out" for label in gone]
     return "\n".join(lines) + ("\n" if text.endswith("\n") else ""), problems
 
 
