@@ -96,6 +96,14 @@ def test_bad_weights_and_lists_are_one_line_before_anything_is_read(data, messag
     assert "\n" not in str(caught.value)
 
 
+def test_linear_divides_by_its_weights_with_the_bases():
+    """mergekit's linear with the base among its models: expert weights summing to 0 are fine, the base's counts."""
+    recipe = Recipe(
+        base="b", experts=["x", "y"], expert_weights=[1.0, -1.0], method="linear", params={"base_weight": 1.0}
+    )
+    assert recipe.expert_weights == [1.0, -1.0]
+
+
 def test_weights_and_a_per_layer_list_from_a_recipe_file(tmp_path):
     base, experts = write_models(tmp_path)
     recipe = {

@@ -122,9 +122,9 @@ def check_weights(weights: Sequence[Any] | None, uses: Sequence[tuple[str, Mappi
             if any(varies(w) for w in weights):
                 continue
             values = {k: first_value(v) for k, v in params.items()}
-            if method.linear:  # its coefficients
+            if method.linear:  # its coefficients divide by what they divide by (linear: the base's weight too)
                 method.linear_coefficient(values, len(first), first)
-            if method.weighting == "any" and method.validate(values).get("normalize") is True:
+            elif method.weighting == "any" and method.validate(values).get("normalize") is True:
                 weight_sum(first, None)  # normalize divides by the weights' sum
         except ValueError as err:
             raise RecipeError(str(err)) from None
