@@ -234,7 +234,8 @@ def update_text(
             problems.append(f"{where}: the record's output has no table with the first column {table.header[0]!r}")
         if made is not None:
             lines[table.line - 1 : table.line + 1 + len(table.rows)] = _table_text(table, made)
-            gone = [row[0] for row in table.rows if row[0] not in {r[0] for r in made.rows}]
+            have = {row[0] for row in made.rows}
+            gone = [row[0] for row in table.rows if row[0] not in have]
             problems += [f"{where}: row '{label}' is not in the record's output: left out" for label in gone]
     return "\n".join(lines) + ("\n" if text.endswith("\n") else ""), problems
 
@@ -303,9 +304,10 @@ def documents(root: Path) -> list[Path]:
     return [path for path in found if path.is_file() and path != root / HISTORY]
 
 
-def check(root: Path, paths: Iterable[Path] | None = None) -> list[str]:
-    """Every problem of the documents (default :func:`documents`), one line each."""
-    outputs: dict[str, str | None] = {}
+def check(root: Path, paths: Iterable[Path] | None = None, outputs: dict[str, str | None] | None = None) -> list[str]:
+    """Every problem of the documents (default :func:`documents`), one line each; ``outputs`` caches record
+    commands' outputs (shared with an update just made)."""
+    outputs = {} if outputs is None else outputs
     problems: list[str] = []
     for path in documents(root) if paths is None else paths:
         name = str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
@@ -326,8 +328,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for path in paths or []:
         if not path.is_file():
             parser.error(f"{path} is not a file (give Markdown documents)")
+    outputs: dict[str, str | None] = {}  # each record command runs once, for the update and the check
     if args.update:
-        outputs: dict[str, str | None] = {}
         for path in paths or documents(root):
             text = path.read_text(encoding="utf-8")
             new, problems = update_text(text, str(path), root, outputs)
@@ -336,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if new != text:
                 path.write_text(new, encoding="utf-8")
                 print(f"updated {path}", file=sys.stderr)
-    problems = check(root, paths)
+    problems = check(root, paths, outputs)
     for problem in problems:
         print(problem)
     checked = len(documents(root)) if paths is None else len(paths)
